@@ -1,0 +1,34 @@
+"""torchloom: a Lightning-style training engine over Hugging Face Accelerate; every technique is a plugin.
+
+The public API is exactly what this module exports; plugins (built-in or third-party) import nothing else.
+"""
+
+from torchloom.config import EngineConfig
+from torchloom.data import DataModule
+from torchloom.engine import Engine
+from torchloom.errors import ConfigError, PluginError, TorchloomError
+from torchloom.hookspecs import hookimpl, hookspec
+from torchloom.module import TaskModule
+from torchloom.plugins import Plugin, PluginInfo, build_config, enable_plugins, installed_plugins
+from torchloom.progress import Progress
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DataModule",
+    "Engine",
+    "EngineConfig",
+    "Plugin",
+    "PluginError",
+    "PluginInfo",
+    "Progress",
+    "TaskModule",
+    "TorchloomError",
+    "__version__",
+    "build_config",
+    "enable_plugins",
+    "hookimpl",
+    "hookspec",
+    "installed_plugins",
+]

@@ -1,0 +1,91 @@
+"""The engine's own hook implementations, registered like any plugin (pytest's runner.py pattern)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from torchloom.hookspecs import hookimpl
+
+__all__ = ["DefaultTrainStep", "MetricsFile"]
+
+
+class DefaultTrainStep:
+    """The default ``run_train_step``: forward, backward and, when gradients sync, the optimizer step."""
+
+    name = "torchloom.default_step"
+
+    def __init__(self) -> None:
+        self.relay: Any = None  # set by the engine once the relay exists
+        self.log: Any = None
+
+    @hookimpl(trylast=True)
+    def run_train_step(self, task, model, optimizer, scheduler, accelerator, batch, progress) -> dict[str, Any]:
+        relay = self.relay
+        outputs = as_outputs(task.training_step(batch, progress.batch_idx), "training_step")
+        loss = outputs["loss"]
+        if relay.implemented("before_backward"):
+            relay.call("before_backward", outputs=outputs, accelerator=accelerator, progress=progress)
+        accelerator.backward(outputs["loss"])  # divides by gradient_accumulation_steps
+        if accelerator.sync_gradients:
+            kwargs = dict(model=model, optimizer=optimizer, accelerator=accelerator, progress=progress, log=self.log)
+            if relay.implemented("before_optimizer_step"):
+                relay.call("before_optimizer_step", **kwargs)
+            optimizer.step()
+            # An fp16 overflow makes the loss scaler skip optimizer.step(); the schedule must not advance.
+            if scheduler is not None and not optimizer.step_was_skipped:
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if relay.implemented("after_optimizer_step"):
+                relay.call("after_optimizer_step", scheduler=scheduler, **kwargs)
+        outputs["loss"] = loss.detach()
+        return outputs
+
+
+def as_outputs(result: Any, where: str) -> dict[str, Any]:
+    """Normalise what a step returned to a dict with a 0-dim floating ``"loss"`` tensor.
+
+    Raises:
+        TypeError: no loss, or a loss that is not a tensor.
+        ValueError: a loss that is not a scalar.
+    """
+    outputs = dict(result) if isinstance(result, dict) else {"loss": result}
+    loss = outputs.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{where} must return a loss tensor or a dict with a 'loss' tensor; got {type(loss).__name__}"
+        )
+    if loss.ndim != 0:
+        raise ValueError(
+            f"{where} returned a loss of shape {tuple(loss.shape)}; expected a scalar (0-dim) tensor: "
+            "reduce it, e.g. with .mean()"
+        )
+    return outputs
+
+
+class MetricsFile:
+    """Writes every ``on_log`` call as one JSON line to ``<output_dir>/metrics.jsonl`` (main process)."""
+
+    name = "torchloom.metrics_file"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._file: Any = None
+
+    @hookimpl
+    def on_log(self, metrics: dict[str, float], progress) -> None:
+        if self._file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in teardown)
+        record = {"step": progress.global_step, "epoch": progress.epoch, **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    @hookimpl
+    def teardown(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,53 @@
+"""Buffers logged values on their device and reduces them in one sync at logging intervals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["LogBuffer"]
+
+
+class LogBuffer:
+    """Weighted running sums of logged values, kept on device until `reduce`."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, Any] = {}
+
+    def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+        """Add ``value * weight`` to the running sum of ``name`` (see `TaskModule.log`)."""
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"log({name!r}): expected a single number, got a tensor of shape {tuple(value.shape)}")
+            value = value.detach().reshape(())
+            value = value.to(torch.float64 if value.device.type != "mps" else torch.float32)
+        if isinstance(weight, torch.Tensor):
+            weight = weight.detach().reshape(()).to(value.dtype if isinstance(value, torch.Tensor) else torch.float64)
+        self._sums[name] = self._sums.get(name, 0.0) + value * weight
+        self._weights[name] = self._weights.get(name, 0.0) + weight
+
+    def __bool__(self) -> bool:
+        return bool(self._sums)
+
+    def reduce(self, accelerator: Any) -> dict[str, float]:
+        """Return name -> weighted mean over everything buffered, on every rank, and clear the buffer.
+
+        One collective (a sum over ranks) and one device-to-host copy, whatever the number of names.
+        """
+        names = sorted(self._sums)
+        if not names:
+            return {}
+        dtype = torch.float64 if accelerator.device.type != "mps" else torch.float32
+
+        def column(d: dict[str, Any]) -> torch.Tensor:
+            return torch.stack([torch.as_tensor(d[n], dtype=dtype).to(accelerator.device) for n in names])
+
+        totals = torch.stack([column(self._sums), column(self._weights)])
+        if accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+        means = (totals[0] / totals[1]).tolist()
+        self._sums.clear()
+        self._weights.clear()
+        return dict(zip(names, means))

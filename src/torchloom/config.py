@@ -1,0 +1,55 @@
+"""`EngineConfig`: the loop's own settings. Techniques keep their settings in their plugin's ``*Config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchloom.errors import ConfigError
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the training loop, and nothing technique-specific.
+
+    Args:
+        max_epochs (`int`, defaults to 1): passes over the training data; the fit stops at whichever of
+            ``max_epochs`` and ``max_steps`` comes first.
+        max_steps (`int`, *optional*): optimizer steps (not micro-batches) after which the fit stops.
+        val_check_interval (`int`, *optional*): run validation every this many optimizer steps; ``None``
+            validates at the end of every epoch only.
+        log_every_n_steps (`int`, defaults to 50): reduce buffered logged values (one host-device sync) and
+            call ``on_log`` every this many optimizer steps.
+        seed (`int`, *optional*, defaults to 0): passed to `accelerate.utils.set_seed` before the model is
+            built; ``None`` leaves the random state alone.
+        output_dir (`str`, defaults to ``"runs/default"``): where ``config.yaml``, ``metrics.jsonl`` and what
+            plugins save (checkpoints, models) are written, by the main process only.
+        save_model (`bool`, defaults to False): at the end of a fit that completed, save the trained model
+            to ``<output_dir>/model`` with `TaskModule.save_model`.
+
+    Raises:
+        ConfigError: if a count is not positive.
+    """
+
+    max_epochs: int = 1
+    max_steps: int | None = None
+    val_check_interval: int | None = None
+    log_every_n_steps: int = 50
+    seed: int | None = 0
+    output_dir: str = "runs/default"
+    save_model: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"engine setting 'seed': got {self.seed!r}; expected an integer or null")
+        for field in ("max_epochs", "log_every_n_steps"):
+            _check_positive(field, getattr(self, field))
+        for field in ("max_steps", "val_check_interval"):
+            if getattr(self, field) is not None:
+                _check_positive(field, getattr(self, field))
+
+
+def _check_positive(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"engine setting {field!r}: got {value!r}; expected a positive integer")

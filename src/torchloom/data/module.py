@@ -1,0 +1,34 @@
+"""`DataModule`: prepare data once, set it up on every process, hand out dataloaders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DataModule"]
+
+
+class DataModule:
+    """Groups a run's data steps (Lightning's LightningDataModule).
+
+    The engine calls `prepare_data` inside ``accelerator.main_process_first()`` (so the main process
+    fills the cache first and the others then read it), then `setup` on every process, then asks for
+    the dataloaders. Dataloaders are prepared (sharded across processes) by the engine.
+    """
+
+    def prepare_data(self) -> None:
+        """Download, extract, preprocess and cache. Runs first on the main process, then on the others."""
+
+    def setup(self, stage: str) -> None:
+        """Load what `prepare_data` cached. ``stage`` is ``"fit"``, ``"validate"`` or ``"predict"``."""
+
+    def train_dataloader(self) -> Any:
+        """Return the training dataloader."""
+        return None
+
+    def val_dataloader(self) -> Any:
+        """Return the validation dataloader, or ``None``."""
+        return None
+
+    def predict_dataloader(self) -> Any:
+        """Return the prediction dataloader, or ``None``."""
+        return None

@@ -1,0 +1,410 @@
+"""`Engine`: builds one Accelerator, runs fit / validate / predict and calls the hooks.
+
+The engine knows no technique by name. Gradient accumulation, mixed precision, clipping and the rest are
+plugins that contribute Accelerator settings, transform the model, or wrap ``run_train_step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import set_seed
+
+from torchloom._default_step import DefaultTrainStep, MetricsFile
+from torchloom._logbuffer import LogBuffer
+from torchloom.config import EngineConfig
+from torchloom.data.module import DataModule
+from torchloom.errors import ConfigError, PluginError
+from torchloom.module import TaskModule
+from torchloom.plugins import HookRelay, PluginSpec, enable_plugins, plugin_name
+from torchloom.progress import Progress
+
+__all__ = ["Engine"]
+
+
+@dataclass
+class _Run:
+    """What one fit / validate / predict call built."""
+
+    accelerator: Accelerator
+    relay: HookRelay
+    model: torch.nn.Module
+    optimizer: Any = None
+    scheduler: Any = None
+    train_dataloader: Any = None
+    val_dataloader: Any = None
+
+
+class Engine:
+    """Runs a `TaskModule` with plugins over one `accelerate.Accelerator`.
+
+    Args:
+        config (`EngineConfig`, *optional*): the loop settings; or pass them as keyword arguments.
+        plugins (*optional*): the plugins to enable, in order: ``{"name": {settings}, ...}``, or a list of
+            names, plugin objects and ``{"name": {settings}}`` entries. Only these are imported.
+        **settings: `EngineConfig` fields (``max_epochs=3, output_dir="runs/x"``).
+
+    Raises:
+        ConfigError: an unknown or bad engine or plugin setting.
+        PluginError: an unknown, failing, duplicate or conflicting plugin.
+
+    Example:
+
+    .. code-block:: python
+
+        engine = torchloom.Engine(max_epochs=2, plugins={"grad_accum": {"steps": 4}})
+        engine.fit(MyTask(), train_dataloader=train_dl, val_dataloader=val_dl)
+        print(engine.history[-1])
+
+    Attributes:
+        progress (`Progress`): the counters of the last run.
+        history (`list[dict]`): every ``on_log`` record of the last run (``step``, ``epoch``, names).
+        logged_metrics (`dict[str, float]`): the latest value of every logged name.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any) -> None:
+        if config is not None and settings:
+            raise ConfigError("Engine: pass either config=EngineConfig(...) or keyword settings, not both")
+        if config is None:
+            known = {f.name for f in dataclasses.fields(EngineConfig)}
+            unknown = sorted(set(settings) - known)
+            if unknown:
+                raise ConfigError(
+                    f"unknown engine setting {unknown[0]!r}; valid settings: {', '.join(sorted(known))}"
+                )
+            config = EngineConfig(**settings)
+        self.config = config
+        self.plugins = enable_plugins(plugins)
+        #: The resolved run configuration written to ``config.yaml`` (the CLI sets the full one).
+        self.run_config: dict[str, Any] | None = None
+        self.progress = Progress()
+        self.history: list[dict[str, Any]] = []
+        self.logged_metrics: dict[str, float] = {}
+        self._buffer = LogBuffer()
+        self._run: _Run | None = None
+
+    # -------------------------------------------------------------------------------------------- fit
+
+    def fit(
+        self,
+        task: TaskModule,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        datamodule: DataModule | None = None,
+    ) -> dict[str, float]:
+        """Train ``task``; validate at the configured interval; return the latest logged values.
+
+        Args:
+            task (`TaskModule`): what to train.
+            train_dataloader (`torch.utils.data.DataLoader`, *optional*): else the datamodule's or task's.
+            val_dataloader (`torch.utils.data.DataLoader`, *optional*): else the datamodule's or task's.
+            datamodule (`DataModule`, *optional*): prepared on the main process first, then set up on all.
+
+        Raises:
+            ConfigError: no training data.
+        """
+        run = self._setup(task, "fit", datamodule, train_dataloader, val_dataloader)
+        cfg, relay, acc = self.config, run.relay, run.accelerator
+        model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
+        hooks = {n: relay.implemented(n) for n in ("on_train_batch_start", "on_train_batch_end")}
+        p = self.progress = Progress()
+        try:
+            relay.call("on_fit_start", accelerator=acc, task=task, model=model, optimizer=optimizer,
+                       scheduler=scheduler, progress=p, log=self._buffer.log)
+            done = False
+            for epoch in range(cfg.max_epochs):
+                p = self.progress = Progress(epoch, p.global_step, 0, p.micro_step)
+                relay.call("on_train_epoch_start", accelerator=acc, progress=p)
+                model.train()
+                for batch_idx, batch in enumerate(run.train_dataloader):
+                    p = self.progress = Progress(epoch, p.global_step, batch_idx, p.micro_step)
+                    if hooks["on_train_batch_start"]:
+                        relay.call("on_train_batch_start", batch=batch, accelerator=acc, progress=p)
+                    outputs = relay.call("run_train_step", task=task, model=model, optimizer=optimizer,
+                                         scheduler=scheduler, accelerator=acc, batch=batch, progress=p)
+                    self._buffer.log("train/loss", outputs["loss"], outputs.get("num_items", 1.0))
+                    if hooks["on_train_batch_end"]:
+                        relay.call("on_train_batch_end", outputs=outputs, batch=batch, accelerator=acc,
+                                   progress=p, log=self._buffer.log)
+                    p = self.progress = dataclasses.replace(p, micro_step=p.micro_step + 1)
+                    if not acc.sync_gradients:
+                        continue  # inside an accumulation window: no optimizer step happened
+                    p = self.progress = dataclasses.replace(p, global_step=p.global_step + 1)
+                    if p.global_step % cfg.log_every_n_steps == 0:
+                        self._flush(relay, acc)
+                    if cfg.val_check_interval and p.global_step % cfg.val_check_interval == 0:
+                        self._validate(task, run)
+                    if cfg.max_steps is not None and p.global_step >= cfg.max_steps:
+                        done = True
+                        break
+                if cfg.val_check_interval is None:
+                    self._validate(task, run)
+                relay.call("on_train_epoch_end", accelerator=acc, progress=p, log=self._buffer.log)
+                if done:
+                    break
+            self._flush(relay, acc)
+            if cfg.save_model:
+                task.save_model(os.path.join(cfg.output_dir, "model"))
+        except BaseException as exc:
+            relay.call("on_exception", exception=exc, accelerator=acc, progress=self.progress)
+            raise
+        finally:
+            try:
+                relay.call("on_fit_end", accelerator=acc, task=task, model=model, progress=self.progress)
+            finally:
+                self._teardown(task, relay, acc, "fit")
+        return dict(self.logged_metrics)
+
+    # --------------------------------------------------------------------------------- validate / predict
+
+    def validate(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> dict[str, float]:
+        """Run one validation pass and return the values logged during it (reduced over ranks).
+
+        Reuses the model of the last ``fit`` of the same task; otherwise builds and prepares it.
+
+        Raises:
+            ConfigError: no validation data.
+        """
+        run = self._reuse_or_setup(task, "validate", datamodule, val_dataloader=dataloader)
+        if run.val_dataloader is None:
+            raise ConfigError("validate: no validation data (pass a dataloader, a datamodule, or define val_dataloader)")
+        try:
+            return self._validate(task, run)
+        finally:
+            self._teardown(task, run.relay, run.accelerator, "validate")
+
+    def predict(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> list[Any]:
+        """Run `TaskModule.predict_step` over the data; return this rank's outputs, one per batch.
+
+        Raises:
+            ConfigError: no prediction data.
+        """
+        run = self._reuse_or_setup(task, "predict", datamodule, predict_dataloader=dataloader)
+        if run.val_dataloader is None:
+            raise ConfigError("predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)")
+        relay, acc = run.relay, run.accelerator
+        predictions: list[Any] = []
+        try:
+            run.model.eval()
+            relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
+            with torch.no_grad():
+                for batch_idx, batch in enumerate(run.val_dataloader):
+                    outputs = task.predict_step(batch, batch_idx)
+                    relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
+                    predictions.append(outputs)
+            relay.call("on_predict_end", predictions=predictions, accelerator=acc)
+        finally:
+            self._teardown(task, relay, acc, "predict")
+        return predictions
+
+    # ---------------------------------------------------------------------------------------- internals
+
+    def _validate(self, task: TaskModule, run: _Run) -> dict[str, float]:
+        if run.val_dataloader is None:
+            return {}
+        relay, acc, model, p = run.relay, run.accelerator, run.model, self.progress
+        was_training = model.training
+        model.eval()
+        relay.call("on_validation_start", task=task, model=model, accelerator=acc, progress=p)
+        with torch.no_grad():
+            for batch_idx, batch in enumerate(run.val_dataloader):
+                outputs = task.validation_step(batch, batch_idx)
+                relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
+        relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self._buffer.log)
+        model.train(was_training)
+        return self._flush(relay, acc)
+
+    def _flush(self, relay: HookRelay, accelerator: Accelerator) -> dict[str, float]:
+        """Reduce the buffered values (one sync) and send them to ``on_log`` on the main process."""
+        if not self._buffer:
+            return {}
+        metrics = self._buffer.reduce(accelerator)
+        self.logged_metrics.update(metrics)
+        p = self.progress
+        self.history.append({"step": p.global_step, "epoch": p.epoch, **metrics})
+        if accelerator.is_main_process:
+            relay.call("on_log", metrics=metrics, progress=p)
+        return metrics
+
+    def _reuse_or_setup(self, task: TaskModule, stage: str, datamodule: Any, **loaders: Any) -> _Run:
+        run = self._run
+        if run is not None and getattr(task, "model", None) is run.model and datamodule is None:
+            loader = loaders.get("val_dataloader") or loaders.get("predict_dataloader")
+            if stage == "predict":
+                loader = loader or task.predict_dataloader()
+            if loader is not None:
+                run.val_dataloader = run.accelerator.prepare(loader)
+            elif stage == "predict":
+                run.val_dataloader = None
+            return run
+        return self._setup(task, stage, datamodule, **loaders)
+
+    def _setup(
+        self,
+        task: TaskModule,
+        stage: str,
+        datamodule: Any,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        predict_dataloader: Any = None,
+    ) -> _Run:
+        cfg = self.config
+        default_step = DefaultTrainStep()
+        relay = HookRelay([*self.plugins, default_step, MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl"))])
+        default_step.relay, default_step.log = relay, self._buffer.log
+        accelerator = _build_accelerator(relay, cfg)
+        self.history, self.logged_metrics = [], {}
+        if accelerator.is_main_process and stage == "fit":
+            _write_run_config(cfg.output_dir, self.run_config or self._default_run_config())
+        if cfg.seed is not None:
+            set_seed(cfg.seed)
+
+        if datamodule is not None:
+            with accelerator.main_process_first():
+                datamodule.prepare_data()
+            datamodule.setup(stage)
+        sources = [s for s in (datamodule, task) if s is not None]
+        if stage == "fit":
+            train_dataloader = train_dataloader or _first(sources, "train_dataloader")
+            if train_dataloader is None:
+                raise ConfigError("fit: no training data (pass train_dataloader, a datamodule, or define train_dataloader)")
+            val_dataloader = val_dataloader or _first(sources, "val_dataloader")
+        elif stage == "validate":
+            val_dataloader = val_dataloader or _first(sources, "val_dataloader")
+        else:
+            val_dataloader = predict_dataloader or _first(sources, "predict_dataloader")
+
+        model = task.configure_model()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{type(task).__name__}.configure_model() returned {type(model).__name__}; expected an nn.Module")
+        task.model, task.accelerator, task._log_fn = model, accelerator, self._buffer.log
+        relay.call("configure_model", model=model, task=task, accelerator=accelerator)
+
+        optimizer = scheduler = None
+        if stage == "fit":
+            spec = relay.call("configure_optimizers", model=model, task=task, accelerator=accelerator)
+            optimizer, scheduler = _split_optimizers(spec if spec is not None else task.configure_optimizers())
+            model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+            # The scheduler is stepped by the default step once per real optimizer step, so it is not
+            # prepared (Accelerate would step it num_processes times per call); it is still checkpointed.
+            if scheduler is not None:
+                accelerator.register_for_checkpointing(scheduler)
+        else:
+            model = accelerator.prepare(model)
+        if val_dataloader is not None:
+            val_dataloader = accelerator.prepare(val_dataloader)
+        for plugin in self.plugins:  # stateful plugins travel with accelerator.save_state / load_state
+            if callable(getattr(plugin, "state_dict", None)) and callable(getattr(plugin, "load_state_dict", None)):
+                accelerator.register_for_checkpointing(plugin)
+        task.model = model
+        self._run = _Run(accelerator, relay, model, optimizer, scheduler, train_dataloader, val_dataloader)
+        return self._run
+
+    def _teardown(self, task: TaskModule, relay: HookRelay, accelerator: Accelerator, stage: str) -> None:
+        relay.call("teardown", accelerator=accelerator, stage=stage)
+
+    def _default_run_config(self) -> dict[str, Any]:
+        plugins = {plugin_name(p): _config_dict(getattr(p, "config", None)) for p in self.plugins}
+        return {"engine": dataclasses.asdict(self.config), "plugins": plugins}
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def _build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
+    """Merge the plugins' Accelerator settings (a clash names both plugins) and build the Accelerator."""
+    kwargs: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for name, fragment in relay.call_each("configure_accelerator", config=config):
+        if fragment is None:
+            continue
+        if not isinstance(fragment, Mapping):
+            raise PluginError(f"plugin {name!r}: configure_accelerator returned {fragment!r}; expected a dict or None")
+        for key, value in fragment.items():
+            if key in kwargs and kwargs[key] != value:
+                raise PluginError(
+                    f"plugins {owners[key]!r} and {name!r} both set Accelerator({key}=...): "
+                    f"{kwargs[key]!r} vs {value!r}; configure it in one plugin"
+                )
+            kwargs[key], owners[key] = value, name
+    if _cpu_only_multiprocess_launch():
+        # Without cpu=True, Accelerate on a machine without GPUs would run every torchrun process as an
+        # independent single-process job. With it, the processes form one gloo data-parallel group.
+        kwargs.setdefault("cpu", True)
+    # AcceleratorState is a per-process singleton: clear the previous run's settings (mixed precision,
+    # accumulation) so that several engines can run one after another in one process. The process group
+    # (PartialState) is kept.
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    try:
+        return Accelerator(**kwargs)
+    except (TypeError, ValueError) as exc:
+        who = ", ".join(f"{k} from {owners[k]!r}" for k in kwargs if k in owners)
+        raise ConfigError(f"cannot build the Accelerator ({who or 'defaults'}): {exc}") from None
+
+
+def _cpu_only_multiprocess_launch() -> bool:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return world_size > 1 and not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "") != "false"
+
+
+def _first(sources: list[Any], method: str) -> Any:
+    for source in sources:
+        loader = getattr(source, method)()
+        if loader is not None:
+            return loader
+    return None
+
+
+def _split_optimizers(spec: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """Normalise ``configure_optimizers`` results to ``(optimizer, scheduler or None)``."""
+    optimizer, scheduler = spec, None
+    if isinstance(spec, Mapping):
+        optimizer, scheduler = spec.get("optimizer"), spec.get("lr_scheduler")
+        if isinstance(scheduler, Mapping):  # Lightning's {"scheduler": ..., "interval": "step"}
+            scheduler = scheduler.get("scheduler")
+    elif isinstance(spec, tuple | list) and len(spec) == 2:
+        optimizer, scheduler = spec
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"configure_optimizers returned {spec!r}; expected an optimizer, (optimizer, scheduler) or "
+            "{'optimizer': ..., 'lr_scheduler': ...}"
+        )
+    return optimizer, scheduler
+
+
+def _config_dict(config: Any) -> Any:
+    if config is None:
+        return None
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    return config
+
+
+def _write_run_config(output_dir: str, run_config: Mapping[str, Any]) -> None:
+    """Write ``config.yaml`` atomically (a crash never leaves half a file)."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "config.yaml")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(_plain(run_config), f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def _plain(value: Any) -> Any:
+    """Turn tuples and other YAML-unsafe containers into lists / strings."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)

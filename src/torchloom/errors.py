@@ -1,0 +1,21 @@
+"""Errors a user can cause. Each carries one message that names the thing, the bad value and what is valid.
+
+The CLI prints these as a single line (no traceback); any other exception is a bug or a failure in user
+code and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "PluginError", "TorchloomError"]
+
+
+class TorchloomError(Exception):
+    """Base class of errors caused by bad input (a config, a plugin setting, a path)."""
+
+
+class ConfigError(TorchloomError, ValueError):
+    """A setting has a bad value: the message names the setting, the value and what would be valid."""
+
+
+class PluginError(TorchloomError):
+    """A plugin cannot be found, loaded, configured or combined with the other enabled plugins."""

@@ -1,0 +1,507 @@
+"""Every torchloom hook, grouped by phase in firing order, one documented function each.
+
+Implementations are methods of a plugin marked with `torchloom.hookimpl`. An implementation may accept
+any subset of a hook's parameters (pluggy's opt-in arguments) and hooks are always called by keyword, so
+a hook can gain parameters without breaking plugins.
+
+Hook families:
+
+- ``configure_*``: set-up time; return something.
+- ``on_*_start`` / ``on_*_end``: notifications; return ``None`` and do not mutate their arguments.
+- ``before_*`` / ``after_*``: around one operation (backward, the optimizer step).
+- ``run_*``: an overridable step with a default ``trylast`` implementation, wrapped by context-type
+  techniques with ``@hookimpl(wrapper=True)``.
+
+Ordering: implementations run in the order the plugins were listed by the user; ``after_*`` and
+``*_end`` hooks, and ``teardown``, run in the reverse order (first in, last out), so a plugin can undo
+what it did before the plugins listed after it. ``tryfirst`` / ``trylast`` override both.
+
+Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at the end of each epoch::
+
+    configure_accelerator                     1x
+    configure_model                           1x
+    configure_optimizers                      1x (first non-None result wins, else the task's)
+    on_fit_start                              1x
+    for epoch in range(E):
+        on_train_epoch_start                  1x per epoch
+        for batch in train_dataloader:        B micro-batches
+            on_train_batch_start              1x per micro-batch
+            run_train_step                    1x per micro-batch; the default implementation calls:
+                before_backward               1x per micro-batch
+                before_optimizer_step         1x per optimizer step (when gradients sync)
+                after_optimizer_step          1x per optimizer step
+            on_train_batch_end                1x per micro-batch
+            on_log                            every log_every_n_steps optimizer steps (main process)
+        on_validation_start                   1x per validation pass
+            on_validation_batch_end           1x per validation batch
+        on_validation_end                     1x per validation pass
+        on_log                                after each validation pass (main process)
+        on_train_epoch_end                    1x per epoch
+    on_exception                              only if the loop raised
+    on_fit_end                                1x, always
+    teardown                                  1x, always
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+
+    from torchloom.config import EngineConfig
+    from torchloom.module import TaskModule
+    from torchloom.progress import Progress
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+
+PROJECT_NAME = "torchloom"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: ``log(name, value, weight=1.0)``: buffer a value on its device; see `TaskModule.log`.
+LogFn = Callable[..., None]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Set-up
+# --------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def configure_accelerator(config: EngineConfig) -> Mapping[str, Any] | None:
+    """Return keyword arguments for `accelerate.Accelerator`, or ``None``.
+
+    **Fires:** once per ``fit`` / ``validate`` / ``predict`` call, on every rank, before the Accelerator
+    exists and before the model is built.
+
+    :param config: the loop settings (read only).
+
+    **Returns:** a mapping such as ``{"gradient_accumulation_steps": 4}`` or
+    ``{"mixed_precision": "bf16"}``. The engine merges all fragments; two plugins giving the same key
+    different values is a `PluginError` naming both plugins, the key and both values.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def configure_accelerator(self):
+            return {"mixed_precision": self.config.dtype}
+    """
+
+
+@hookspec
+def configure_model(model: torch.nn.Module, task: TaskModule, accelerator: Accelerator) -> None:
+    """Transform the model in place before it is prepared (wrapped for DDP / FSDP, moved to the device).
+
+    **Fires:** once per ``fit`` / ``validate`` / ``predict`` call, on every rank, after
+    `TaskModule.configure_model` and before `accelerate.Accelerator.prepare`.
+
+    :param model: the model built by the task; may be mutated in place (enable gradient checkpointing,
+        freeze parameters, wrap submodules). Replacing the object itself is not supported.
+    :param task: the user's task (read only).
+    :param accelerator: the run's Accelerator.
+
+    **Returns:** ``None``.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def configure_model(self, model):
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+    """
+
+
+@hookspec(firstresult=True)
+def configure_optimizers(model: torch.nn.Module, task: TaskModule, accelerator: Accelerator) -> Any:
+    """Return the optimizer (and optionally a learning-rate scheduler) to train with, or ``None``.
+
+    **Fires:** once per ``fit``, on every rank, after ``configure_model`` and before
+    `accelerate.Accelerator.prepare`. Not fired by ``validate`` or ``predict``.
+
+    :param model: the (unprepared) model whose parameters are to be optimized.
+    :param task: the user's task.
+    :param accelerator: the run's Accelerator.
+
+    **Returns:** the same forms as `TaskModule.configure_optimizers`: an optimizer, an
+    ``(optimizer, scheduler)`` pair, or ``{"optimizer": ..., "lr_scheduler": ...}``. Stops at the first
+    non-None result; when every plugin returns ``None`` the task's ``configure_optimizers`` is used. The
+    scheduler is stepped once per optimizer step that really ran (not on micro-batches, not on steps
+    the fp16 loss scaler skipped).
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def configure_optimizers(self, model):
+            return torch.optim.SGD(model.parameters(), lr=self.config.lr)
+    """
+
+
+@hookspec
+def on_fit_start(
+    accelerator: Accelerator,
+    task: TaskModule,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    progress: Progress,
+    log: LogFn,
+) -> None:
+    """Called when training is about to start, after everything went through ``accelerator.prepare``.
+
+    **Fires:** once per ``fit``, on every rank, before the first epoch.
+
+    :param accelerator: the run's Accelerator.
+    :param task: the user's task.
+    :param model: the prepared (possibly DDP-wrapped) model.
+    :param optimizer: the prepared optimizer (`accelerate.optimizer.AcceleratedOptimizer`).
+    :param scheduler: the learning-rate scheduler, or ``None``.
+    :param progress: counters at the start (all zero).
+    :param log: buffers a value for logging; see `TaskModule.log`.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def on_fit_start(self, accelerator, model):
+            self._stack.enter_context(LocalSGD(accelerator, model, local_sgd_steps=8))
+    """
+
+
+# --------------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_train_epoch_start(accelerator: Accelerator, progress: Progress) -> None:
+    """Called at the start of every training epoch.
+
+    **Fires:** once per epoch, on every rank, before the epoch's first micro-batch.
+
+    :param accelerator: the run's Accelerator.
+    :param progress: counters; ``progress.epoch`` is the epoch about to run.
+    """
+
+
+@hookspec
+def on_train_batch_start(batch: Any, accelerator: Accelerator, progress: Progress) -> None:
+    """Called before every training micro-batch.
+
+    **Fires:** once per micro-batch (so ``gradient_accumulation_steps`` times per optimizer step), on
+    every rank.
+
+    :param batch: the micro-batch, already on the device; do not mutate.
+    :param accelerator: the run's Accelerator.
+    :param progress: counters for this micro-batch.
+    """
+
+
+@hookspec(firstresult=True)
+def run_train_step(
+    task: TaskModule,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    accelerator: Accelerator,
+    batch: Any,
+    progress: Progress,
+) -> dict[str, Any] | None:
+    """Run one training micro-batch: forward, backward and, when gradients sync, the optimizer step.
+
+    **Fires:** once per micro-batch, on every rank.
+
+    The default implementation (``trylast``, plugin name ``torchloom.default_step``) does::
+
+        outputs = task.training_step(batch, progress.batch_idx)    # a loss, or a dict with "loss"
+        before_backward(outputs=outputs, ...)                      # may replace outputs["loss"]
+        accelerator.backward(outputs["loss"])                      # divides by gradient_accumulation_steps
+        if accelerator.sync_gradients:                             # last micro-batch of a window
+            before_optimizer_step(...)                             # unscaled grads; clip here
+            optimizer.step()
+            if not optimizer.step_was_skipped: scheduler.step()   # fp16 overflow skips both
+            optimizer.zero_grad(set_to_none=True)
+            after_optimizer_step(...)
+
+    Context-type techniques wrap it instead of replacing it, the way pytest's capture plugin wraps
+    ``pytest_runtest_call``:
+
+    .. code-block:: python
+
+        @torchloom.hookimpl(wrapper=True)
+        def run_train_step(self, accelerator, model):
+            with accelerator.accumulate(model):
+                return (yield)
+
+    :param task: the user's task.
+    :param model: the prepared model.
+    :param optimizer: the prepared optimizer.
+    :param scheduler: the learning-rate scheduler, or ``None``.
+    :param accelerator: the run's Accelerator; ``accelerator.sync_gradients`` says whether this
+        micro-batch ends an accumulation window (set by ``accelerator.accumulate``).
+    :param batch: the micro-batch, on the device.
+    :param progress: counters for this micro-batch.
+
+    **Returns:** the step's outputs as a dict whose ``"loss"`` is the raw, detached micro-batch loss
+    (0-dim tensor, not divided by the accumulation steps). Stops at the first non-None result.
+    """
+
+
+@hookspec
+def before_backward(outputs: dict[str, Any], accelerator: Accelerator, progress: Progress) -> None:
+    """Called between the forward pass and ``accelerator.backward``.
+
+    **Fires:** once per micro-batch, on every rank, from the default ``run_train_step``.
+
+    :param outputs: the dict returned by `TaskModule.training_step` (a bare loss is turned into
+        ``{"loss": loss}``). Implementations may replace ``outputs["loss"]`` with a rescaled loss (for
+        example the token-count normalisation of gradient accumulation); the replacement must keep its
+        autograd graph. Implementations run in plugin order and each sees the previous one's
+        replacement. The logged loss and ``on_train_batch_end`` always see the original loss.
+    :param accelerator: the run's Accelerator.
+    :param progress: counters for this micro-batch.
+    """
+
+
+@hookspec
+def before_optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator, progress: Progress, log: LogFn
+) -> None:
+    """Called once per optimizer step, after the window's last backward and before ``optimizer.step()``.
+
+    **Fires:** only when ``accelerator.sync_gradients`` is true, so once per accumulation window, on
+    every rank. Gradients are complete (all-reduced across ranks). With fp16 loss scaling they are still
+    scaled: call ``accelerator.clip_grad_norm_`` (which unscales once, then clips) rather than clipping
+    ``.grad`` by hand.
+
+    :param model: the prepared model; gradients may be modified in place.
+    :param optimizer: the prepared optimizer.
+    :param accelerator: the run's Accelerator.
+    :param progress: counters of the window's last micro-batch.
+    :param log: buffers a value for logging (e.g. ``grad_norm``).
+
+    **Ordering:** gradient rescaling must run before clipping: mark it ``tryfirst``.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def before_optimizer_step(self, model, accelerator, log):
+            log("grad_norm", accelerator.clip_grad_norm_(model.parameters(), self.config.max_norm))
+    """
+
+
+@hookspec
+def after_optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    accelerator: Accelerator,
+    progress: Progress,
+    log: LogFn,
+) -> None:
+    """Called right after the optimizer step, the scheduler step and ``zero_grad``.
+
+    **Fires:** once per accumulation window, on every rank, also when the fp16 loss scaler skipped the
+    step (check ``optimizer.step_was_skipped``). ``progress.global_step`` does not yet count this step.
+
+    :param model: the prepared model; parameters may be modified in place (LocalSGD averaging, EMA).
+    :param optimizer: the prepared optimizer.
+    :param scheduler: the learning-rate scheduler, or ``None``.
+    :param accelerator: the run's Accelerator.
+    :param progress: counters of the window's last micro-batch.
+    :param log: buffers a value for logging.
+    """
+
+
+@hookspec
+def on_train_batch_end(
+    outputs: dict[str, Any], batch: Any, accelerator: Accelerator, progress: Progress, log: LogFn
+) -> None:
+    """Called after every training micro-batch.
+
+    **Fires:** once per micro-batch, on every rank, after ``run_train_step``.
+
+    :param outputs: the step's outputs; ``outputs["loss"]`` is the raw detached micro-batch loss, never
+        divided by the accumulation steps. Do not mutate.
+    :param batch: the micro-batch.
+    :param accelerator: the run's Accelerator; ``accelerator.sync_gradients`` tells whether an optimizer
+        step just happened.
+    :param progress: counters for this micro-batch (``global_step`` not yet incremented).
+    :param log: buffers a value for logging.
+    """
+
+
+@hookspec
+def on_train_epoch_end(accelerator: Accelerator, progress: Progress, log: LogFn) -> None:
+    """Called at the end of every training epoch, after that epoch's validation.
+
+    **Fires:** once per epoch, on every rank; also for the epoch cut short by ``max_steps``.
+
+    :param accelerator: the run's Accelerator.
+    :param progress: counters after the epoch's last micro-batch.
+    :param log: buffers a value for logging.
+    """
+
+
+# --------------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_validation_start(task: TaskModule, model: torch.nn.Module, accelerator: Accelerator, progress: Progress) -> None:
+    """Called before a validation pass, with the model in eval mode.
+
+    **Fires:** once per validation pass (every ``val_check_interval`` optimizer steps, or at the end of
+    each epoch, or once for ``Engine.validate``), on every rank.
+
+    :param task: the user's task.
+    :param model: the prepared model (eval mode, gradients disabled).
+    :param accelerator: the run's Accelerator.
+    :param progress: counters at the time of validation.
+    """
+
+
+@hookspec
+def on_validation_batch_end(outputs: Any, batch: Any, accelerator: Accelerator, progress: Progress) -> None:
+    """Called after `TaskModule.validation_step` on one batch.
+
+    **Fires:** once per validation batch, on every rank. With several processes each rank sees its own
+    shard: gather with ``accelerator.gather_for_metrics(...)``, which also drops the samples the
+    distributed sampler repeated to even out the last batch.
+
+    :param outputs: what ``validation_step`` returned (do not mutate).
+    :param batch: the batch, on the device.
+    :param accelerator: the run's Accelerator.
+    :param progress: counters at the time of validation.
+    """
+
+
+@hookspec
+def on_validation_end(
+    task: TaskModule, model: torch.nn.Module, accelerator: Accelerator, progress: Progress, log: LogFn
+) -> None:
+    """Called after a validation pass: compute, log and reset metrics here.
+
+    **Fires:** once per validation pass, on every rank, before the model returns to train mode. Values
+    logged here are reduced and sent to ``on_log`` right after this hook.
+
+    :param task: the user's task.
+    :param model: the prepared model.
+    :param accelerator: the run's Accelerator.
+    :param progress: counters at the time of validation.
+    :param log: buffers a value for logging.
+    """
+
+
+# --------------------------------------------------------------------------------------------------------
+# Prediction
+# --------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_predict_start(task: TaskModule, model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """Called before ``Engine.predict`` runs `TaskModule.predict_step` over the data.
+
+    **Fires:** once per ``predict`` call, on every rank, with the model in eval mode.
+
+    :param task: the user's task.
+    :param model: the prepared model.
+    :param accelerator: the run's Accelerator.
+    """
+
+
+@hookspec
+def on_predict_batch_end(outputs: Any, batch: Any, accelerator: Accelerator) -> None:
+    """Called after `TaskModule.predict_step` on one batch.
+
+    **Fires:** once per prediction batch, on every rank.
+
+    :param outputs: what ``predict_step`` returned (do not mutate).
+    :param batch: the batch, on the device.
+    :param accelerator: the run's Accelerator.
+    """
+
+
+@hookspec
+def on_predict_end(predictions: list[Any], accelerator: Accelerator) -> None:
+    """Called after the last prediction batch.
+
+    **Fires:** once per ``predict`` call, on every rank.
+
+    :param predictions: this rank's outputs, one per batch, in order (do not mutate).
+    :param accelerator: the run's Accelerator.
+    """
+
+
+# --------------------------------------------------------------------------------------------------------
+# Logging
+# --------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_log(metrics: dict[str, float], progress: Progress) -> None:
+    """Called with reduced logged values: write them to a tracker here.
+
+    **Fires:** on the main process only, every ``log_every_n_steps`` optimizer steps, after every
+    validation pass, and once at the end of the fit for anything still buffered. Each value is the
+    weighted mean, over all ranks and over the micro-batches since the previous call, of what was
+    passed to ``log``. Only names logged since the previous call appear.
+
+    :param metrics: name -> value (plain Python floats); do not mutate.
+    :param progress: counters at the time of logging (``global_step`` counts the step just taken).
+    """
+
+
+# --------------------------------------------------------------------------------------------------------
+# End
+# --------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_exception(exception: BaseException, accelerator: Accelerator, progress: Progress) -> None:
+    """Called when the loop raised, before ``on_fit_end`` and ``teardown``; the exception is re-raised after.
+
+    **Fires:** at most once per ``fit``, on the ranks where the exception happened (also for
+    ``KeyboardInterrupt``).
+
+    :param exception: the exception (read only).
+    :param accelerator: the run's Accelerator.
+    :param progress: counters when the exception happened.
+    """
+
+
+@hookspec
+def on_fit_end(accelerator: Accelerator, task: TaskModule, model: torch.nn.Module, progress: Progress) -> None:
+    """Called when training ends, whether it completed or raised.
+
+    **Fires:** once per ``fit``, on every rank that reached it, after the last validation and log.
+
+    :param accelerator: the run's Accelerator.
+    :param task: the user's task.
+    :param model: the prepared model.
+    :param progress: the final counters.
+    """
+
+
+@hookspec
+def teardown(accelerator: Accelerator, stage: str) -> None:
+    """Release what the plugin holds (files, threads, contexts). Always runs, also after an exception.
+
+    **Fires:** once at the end of every ``fit`` / ``validate`` / ``predict`` call, on every rank.
+
+    :param accelerator: the run's Accelerator.
+    :param stage: ``"fit"``, ``"validate"`` or ``"predict"``.
+    """

@@ -1,0 +1,456 @@
+"""Plugins: discovery by entry point (without importing), enabling by name, settings validation, ordering.
+
+A plugin is a class with a ``name``, a ``Config`` dataclass (its typed settings) and methods marked with
+`torchloom.hookimpl`. A distribution makes it installable by name with an entry point::
+
+    [project.entry-points."torchloom.plugins"]
+    ema = "torchloom_ema:EMA"
+
+Only the plugins a run enables are imported. ``TORCHLOOM_PLUGINS=a,b`` limits which installed plugins may
+be enabled or listed at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, ClassVar, Literal, Union
+
+import pluggy
+
+from torchloom import hookspecs
+from torchloom.errors import ConfigError, PluginError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "HookRelay",
+    "Plugin",
+    "PluginInfo",
+    "build_config",
+    "enable_plugins",
+    "installed_plugins",
+]
+
+ENTRY_POINT_GROUP = "torchloom.plugins"
+ALLOW_ENV = "TORCHLOOM_PLUGINS"
+TRACE_ENV = "TORCHLOOM_TRACE_HOOKS"
+
+PluginSpec = Union[Mapping[str, Any], Sequence[Any], None]
+
+
+@dataclass
+class NoConfig:
+    """Settings of a plugin that has none."""
+
+
+class Plugin:
+    """Base class of torchloom plugins (optional: any object with ``@hookimpl`` methods and a ``name`` works).
+
+    Class attributes:
+        name (`str`): the name users enable the plugin by; must match its entry-point name.
+        Config (`type`): a dataclass of the plugin's settings, each field typed, with a default and a
+            one-line comment. Validated by `build_config`.
+        requires (`tuple[str, ...]`): names of plugins that must be enabled too.
+        conflicts (`tuple[str, ...]`): names of plugins that must not be enabled together with this one.
+
+    Args:
+        config (`Config`, *optional*): ready-made settings; otherwise built from ``settings``.
+        **settings: settings by field name, validated against ``Config``.
+
+    Raises:
+        ConfigError: a setting is unknown or has a bad value.
+    """
+
+    name: ClassVar[str] = ""
+    Config: ClassVar[type] = NoConfig
+    requires: ClassVar[tuple[str, ...]] = ()
+    conflicts: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: Any = None, **settings: Any) -> None:
+        if config is not None and settings:
+            raise ConfigError(f"plugin {self.name!r}: pass either a Config or settings, not both")
+        if config is None:
+            config = build_config(type(self), settings)
+        elif not isinstance(config, self.Config):
+            raise ConfigError(
+                f"plugin {self.name!r}: config is a {type(config).__name__}; expected {self.Config.__name__}"
+            )
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
+
+
+# ----------------------------------------------------------------------------------------------- settings
+
+
+def build_config(plugin_cls: type, settings: Mapping[str, Any] | None) -> Any:
+    """Build and validate ``plugin_cls.Config`` from a mapping of settings (from YAML or Python).
+
+    Args:
+        plugin_cls (`type`): a plugin class with a ``Config`` dataclass and a ``name``.
+        settings (`Mapping[str, Any]`, *optional*): field name -> value; ``None`` means all defaults.
+
+    Returns:
+        An instance of ``plugin_cls.Config``.
+
+    Raises:
+        ConfigError: naming the plugin, the setting, the bad value and what is valid (the known fields, the
+            expected type, or the message of the Config's ``__post_init__`` check).
+    """
+    name = getattr(plugin_cls, "name", plugin_cls.__name__)
+    config_cls = getattr(plugin_cls, "Config", NoConfig)
+    if isinstance(settings, config_cls):
+        return settings
+    if settings is None:
+        settings = {}
+    if not isinstance(settings, Mapping):
+        raise ConfigError(f"plugin {name!r}: settings must be a mapping of name -> value, got {settings!r}")
+    fields = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+    hints = typing.get_type_hints(config_cls)
+    values = {}
+    for key, value in settings.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"plugin {name!r}: unknown setting {key!r}{hint} Valid settings: {', '.join(fields) or '(none)'}"
+            )
+        ok, coerced = _check_type(value, hints.get(key, Any))
+        if not ok:
+            raise ConfigError(
+                f"plugin {name!r}: setting {key!r} = {value!r} ({type(value).__name__}); "
+                f"expected {_type_name(hints.get(key, Any))}"
+            )
+        values[key] = coerced
+    try:
+        return config_cls(**values)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"plugin {name!r}: {exc}") from None
+
+
+def _check_type(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Return (value matches tp, value coerced: int -> float, list -> tuple)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any or tp is object:
+        return True, value
+    if origin is Literal:
+        return value in args, value
+    if origin is Union or origin is types.UnionType:
+        for arm in args:
+            ok, coerced = _check_type(value, arm)
+            if ok:
+                return True, coerced
+        return False, value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin in (list, tuple, Sequence) or tp in (list, tuple):
+        if isinstance(value, str) or not isinstance(value, list | tuple):
+            return False, value
+        item_tp = args[0] if args else Any
+        items = []
+        for item in value:
+            ok, coerced = _check_type(item, item_tp)
+            if not ok:
+                return False, value
+            items.append(coerced)
+        return True, tuple(items) if origin is tuple or tp is tuple else items
+    if origin in (dict, Mapping) or tp is dict:
+        return isinstance(value, Mapping), value
+    if isinstance(tp, type):
+        return isinstance(value, tp), value
+    return True, value
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+# ---------------------------------------------------------------------------------------------- discovery
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """An installed plugin, read from entry-point metadata without importing it.
+
+    Attributes:
+        name (`str`): the entry-point name, which users enable the plugin by.
+        value (`str`): ``"module:attr"``, the object the entry point names.
+        distribution (`str`): the distribution that registers it.
+        version (`str`): that distribution's version.
+    """
+
+    name: str
+    value: str
+    distribution: str
+    version: str
+
+    def load(self) -> Any:
+        """Import the plugin's module and return the object the entry point names.
+
+        Raises:
+            PluginError: the import failed; the message names the plugin, its distribution and why.
+        """
+        module, _, attr = self.value.partition(":")
+        try:
+            __import__(module)
+            obj: Any = sys.modules[module]
+            for part in attr.split(".") if attr else ():
+                obj = getattr(obj, part)
+        except Exception as exc:
+            raise PluginError(
+                f"plugin {self.name!r} (from {self.distribution} {self.version}) failed to import "
+                f"{self.value!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return obj
+
+
+def installed_plugins() -> dict[str, list[PluginInfo]]:
+    """List installed plugins from entry-point metadata, importing nothing.
+
+    Returns:
+        name -> the registrations of that name, one per distribution (more than one is a conflict that
+        `enable_plugins` reports). Names outside ``TORCHLOOM_PLUGINS``, when it is set, are left out.
+    """
+    allowed = _allow_list()
+    found: dict[str, list[PluginInfo]] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if allowed is not None and ep.name not in allowed:
+            continue
+        dist = ep.dist
+        info = PluginInfo(
+            ep.name, ep.value, dist.metadata["Name"] if dist else "?", dist.version if dist else "?"
+        )
+        registrations = found.setdefault(ep.name, [])
+        if all(r.distribution != info.distribution for r in registrations):
+            registrations.append(info)
+    return dict(sorted(found.items()))
+
+
+def _allow_list() -> set[str] | None:
+    raw = os.environ.get(ALLOW_ENV)
+    if raw is None:
+        return None
+    return {n.strip() for n in raw.split(",") if n.strip()}
+
+
+def find_plugin(name: str) -> PluginInfo:
+    """Return the one installed registration of ``name``.
+
+    Raises:
+        PluginError: unknown name (lists the installed ones and suggests the closest), a name left out by
+            ``TORCHLOOM_PLUGINS``, or a name registered by two distributions (names both).
+    """
+    installed = installed_plugins()
+    if name not in installed:
+        allowed = _allow_list()
+        if allowed is not None and name in {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}:
+            raise PluginError(
+                f"plugin {name!r} is installed but not allowed by {ALLOW_ENV}={os.environ[ALLOW_ENV]!r}"
+            )
+        close = difflib.get_close_matches(name, installed, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise PluginError(
+            f"unknown plugin {name!r}.{hint} Installed plugins: {', '.join(installed) or '(none)'}"
+        )
+    registrations = installed[name]
+    if len(registrations) > 1:
+        who = " and ".join(f"{r.distribution} {r.version} ({r.value})" for r in registrations)
+        raise PluginError(f"plugin name {name!r} is registered by two distributions: {who}; uninstall one")
+    return registrations[0]
+
+
+# --------------------------------------------------------------------------------------------- enabling
+
+
+def enable_plugins(spec: PluginSpec) -> list[Any]:
+    """Import, configure and check the plugins a run enables, in the user's order.
+
+    Args:
+        spec: ``{"name": {settings} or None, ...}`` (as in YAML), or a list whose items are names, plugin
+            instances, or one-entry ``{"name": {settings}}`` mappings; ``None`` enables nothing.
+
+    Returns:
+        Plugin instances, in the order given.
+
+    Raises:
+        PluginError: unknown or failing plugin, duplicate name, unmet ``requires`` or a ``conflicts`` pair.
+        ConfigError: a bad setting.
+    """
+    items: list[tuple[str | None, Any, Any]] = []  # (name, settings, instance)
+    if spec is None:
+        pass
+    elif isinstance(spec, Mapping):
+        items = [(str(k), v, None) for k, v in spec.items()]
+    elif isinstance(spec, str):
+        raise ConfigError(f"plugins: got the string {spec!r}; expected a list of names or a mapping")
+    else:
+        for entry in spec:
+            if isinstance(entry, str):
+                items.append((entry, None, None))
+            elif isinstance(entry, Mapping) and len(entry) == 1:
+                ((k, v),) = entry.items()
+                items.append((str(k), v, None))
+            else:
+                items.append((None, None, entry))
+    plugins = [inst if inst is not None else _instantiate(name, settings) for name, settings, inst in items]
+    _check_relations(plugins)
+    return plugins
+
+
+def _instantiate(name: str | None, settings: Any) -> Any:
+    assert name is not None
+    obj = find_plugin(name).load()
+    if not isinstance(obj, type):
+        if settings:
+            raise ConfigError(f"plugin {name!r} is a ready-made object and takes no settings")
+        return obj
+    if getattr(obj, "name", name) != name:
+        raise PluginError(f"plugin {name!r}: its class {obj.__qualname__} is named {obj.name!r}")
+    return obj(build_config(obj, settings))
+
+
+def plugin_name(plugin: Any) -> str:
+    """The name a plugin object is registered under: its ``name`` attribute, else its class name."""
+    return getattr(plugin, "name", "") or type(plugin).__name__
+
+
+def _check_relations(plugins: Iterable[Any]) -> None:
+    plugins = list(plugins)
+    names = [plugin_name(p) for p in plugins]
+    seen = set()
+    for n in names:
+        if n in seen:
+            raise PluginError(f"plugin {n!r} is enabled twice; enable each plugin once")
+        seen.add(n)
+    for p, n in zip(plugins, names):
+        for req in getattr(p, "requires", ()):
+            if req not in seen:
+                raise PluginError(f"plugin {n!r} requires plugin {req!r}; enable it too")
+        for other in getattr(p, "conflicts", ()):
+            if other in seen:
+                raise PluginError(f"plugins {n!r} and {other!r} cannot be enabled together; enable one of them")
+
+
+# ------------------------------------------------------------------------------------------- hook relay
+
+
+def _is_reversed(hook_name: str) -> bool:
+    """after_* and *_end hooks (and teardown) run first-in-last-out."""
+    return hook_name.startswith("after_") or hook_name.endswith("_end") or hook_name == "teardown"
+
+
+class HookRelay:
+    """Registers enabled plugins with pluggy and calls hooks in the documented order.
+
+    Forward hooks run in the order the plugins were given; ``after_*``, ``*_end`` and ``teardown`` run in
+    reverse. pluggy calls implementations last-registered-first, so the relay keeps two plugin managers,
+    one registered in each order, and picks one per hook.
+
+    Args:
+        plugins (`Sequence[object]`): the plugin objects, user's order first, engine defaults last.
+
+    Raises:
+        PluginError: an implementation whose name is no hook (``check_pending``), whose arguments are not
+            the hook's, or two plugins with one name.
+    """
+
+    def __init__(self, plugins: Sequence[Any]) -> None:
+        self.plugins = list(plugins)
+        self._forward = self._manager(reversed(self.plugins))
+        self._reverse = self._manager(self.plugins)
+        self._implemented = {
+            name for name in dir(self._forward.hook) if not name.startswith("_")
+            if getattr(self._forward.hook, name).get_hookimpls()
+        }
+
+    @staticmethod
+    def _manager(plugins: Iterable[Any]) -> pluggy.PluginManager:
+        pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        pm.add_hookspecs(hookspecs)
+        for plugin in plugins:
+            try:
+                pm.register(plugin, name=plugin_name(plugin))
+            except (pluggy.PluginValidationError, ValueError) as exc:
+                raise PluginError(f"plugin {plugin_name(plugin)!r} cannot be registered: {exc}") from None
+        try:
+            pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(
+                f"plugin {plugin_name(exc.plugin)!r}: {exc}; see the hook reference for the valid hook names"
+            ) from None
+        if os.environ.get(TRACE_ENV, "") not in ("", "0"):
+            pm.add_hookcall_monitoring(_trace_before, _trace_after)
+        return pm
+
+    def implemented(self, hook_name: str) -> bool:
+        """Whether any plugin implements ``hook_name`` (the engine skips the others on the hot path)."""
+        return hook_name in self._implemented
+
+    def call(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a hook by keyword. An exception gets a note naming the plugin and hook that raised it."""
+        pm = self._reverse if _is_reversed(hook_name) else self._forward
+        caller = getattr(pm.hook, hook_name)
+        try:
+            return caller(**kwargs)
+        except Exception as exc:
+            culprit = _raising_plugin(exc, caller.get_hookimpls())
+            if culprit is not None and hasattr(exc, "add_note"):
+                exc.add_note(f"torchloom: raised in hook {hook_name!r} of plugin {culprit!r}")
+            raise
+
+    def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call a (set-up time) hook once per implementing plugin; return ``(plugin name, result)`` pairs
+        in call order, so that results can be attributed (e.g. in a clash between two plugins)."""
+        results = []
+        for impl in reversed(getattr(self._forward.hook, hook_name).get_hookimpls()):
+            others = [p for p in self.plugins if p is not impl.plugin]
+            caller = self._forward.subset_hook_caller(hook_name, remove_plugins=others)
+            result = caller(**kwargs)
+            results.append((impl.plugin_name, result[0] if result else None))
+        return results
+
+    def hook_names(self, plugin: Any) -> list[str]:
+        """The hooks ``plugin`` implements, in hookspec order."""
+        return [c.name for c in self._forward.get_hookcallers(plugin) or []]
+
+
+def _raising_plugin(exc: BaseException, impls: Sequence[Any]) -> str | None:
+    codes = {impl.function.__code__: impl.plugin_name for impl in impls if hasattr(impl.function, "__code__")}
+    culprit = None
+    tb = exc.__traceback__
+    while tb is not None:  # innermost matching frame wins
+        culprit = codes.get(tb.tb_frame.f_code, culprit)
+        tb = tb.tb_next
+    return culprit
+
+
+def _trace_before(hook_name: str, hook_impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    names = ", ".join(impl.plugin_name for impl in reversed(hook_impls)) or "(no implementations)"
+    print(f"[torchloom] {hook_name}: {names}", file=sys.stderr)
+
+
+def _trace_after(outcome: Any, hook_name: str, hook_impls: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    if outcome.exception is not None:
+        print(f"[torchloom] {hook_name} raised {outcome.exception!r}", file=sys.stderr)
