@@ -23,7 +23,9 @@ class DefaultTrainStep:
         self.log: Any = None
 
     @hookimpl(trylast=True)
-    def run_train_step(self, task, model, optimizer, scheduler, accelerator, batch, progress) -> dict[str, Any]:
+    def run_train_step(
+        self, task, model, optimizer, scheduler, accelerator, batch, progress
+    ) -> dict[str, Any]:
         relay = self.relay
         outputs = as_outputs(task.training_step(batch, progress.batch_idx), "training_step")
         loss = outputs["loss"]
@@ -31,7 +33,9 @@ class DefaultTrainStep:
             relay.call("before_backward", outputs=outputs, accelerator=accelerator, progress=progress)
         accelerator.backward(outputs["loss"])  # divides by gradient_accumulation_steps
         if accelerator.sync_gradients:
-            kwargs = dict(model=model, optimizer=optimizer, accelerator=accelerator, progress=progress, log=self.log)
+            kwargs = dict(
+                model=model, optimizer=optimizer, accelerator=accelerator, progress=progress, log=self.log
+            )
             if relay.implemented("before_optimizer_step"):
                 relay.call("before_optimizer_step", **kwargs)
             optimizer.step()

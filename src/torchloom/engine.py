@@ -70,7 +70,9 @@ class Engine:
         logged_metrics (`dict[str, float]`): the latest value of every logged name.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any
+    ) -> None:
         if config is not None and settings:
             raise ConfigError("Engine: pass either config=EngineConfig(...) or keyword settings, not both")
         if config is None:
@@ -90,6 +92,11 @@ class Engine:
         self.logged_metrics: dict[str, float] = {}
         self._buffer = LogBuffer()
         self._run: _Run | None = None
+
+    @property
+    def accelerator(self) -> Accelerator | None:
+        """The Accelerator of the last run (``None`` before the first)."""
+        return self._run.accelerator if self._run is not None else None
 
     # -------------------------------------------------------------------------------------------- fit
 
@@ -117,8 +124,16 @@ class Engine:
         hooks = {n: relay.implemented(n) for n in ("on_train_batch_start", "on_train_batch_end")}
         p = self.progress = Progress()
         try:
-            relay.call("on_fit_start", accelerator=acc, task=task, model=model, optimizer=optimizer,
-                       scheduler=scheduler, progress=p, log=self._buffer.log)
+            relay.call(
+                "on_fit_start",
+                accelerator=acc,
+                task=task,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                progress=p,
+                log=self._buffer.log,
+            )
             done = False
             for epoch in range(cfg.max_epochs):
                 p = self.progress = Progress(epoch, p.global_step, 0, p.micro_step)
@@ -128,12 +143,26 @@ class Engine:
                     p = self.progress = Progress(epoch, p.global_step, batch_idx, p.micro_step)
                     if hooks["on_train_batch_start"]:
                         relay.call("on_train_batch_start", batch=batch, accelerator=acc, progress=p)
-                    outputs = relay.call("run_train_step", task=task, model=model, optimizer=optimizer,
-                                         scheduler=scheduler, accelerator=acc, batch=batch, progress=p)
+                    outputs = relay.call(
+                        "run_train_step",
+                        task=task,
+                        model=model,
+                        optimizer=optimizer,
+                        scheduler=scheduler,
+                        accelerator=acc,
+                        batch=batch,
+                        progress=p,
+                    )
                     self._buffer.log("train/loss", outputs["loss"], outputs.get("num_items", 1.0))
                     if hooks["on_train_batch_end"]:
-                        relay.call("on_train_batch_end", outputs=outputs, batch=batch, accelerator=acc,
-                                   progress=p, log=self._buffer.log)
+                        relay.call(
+                            "on_train_batch_end",
+                            outputs=outputs,
+                            batch=batch,
+                            accelerator=acc,
+                            progress=p,
+                            log=self._buffer.log,
+                        )
                     p = self.progress = dataclasses.replace(p, micro_step=p.micro_step + 1)
                     if not acc.sync_gradients:
                         continue  # inside an accumulation window: no optimizer step happened
@@ -165,7 +194,9 @@ class Engine:
 
     # --------------------------------------------------------------------------------- validate / predict
 
-    def validate(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> dict[str, float]:
+    def validate(
+        self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None
+    ) -> dict[str, float]:
         """Run one validation pass and return the values logged during it (reduced over ranks).
 
         Reuses the model of the last ``fit`` of the same task; otherwise builds and prepares it.
@@ -175,13 +206,17 @@ class Engine:
         """
         run = self._reuse_or_setup(task, "validate", datamodule, val_dataloader=dataloader)
         if run.val_dataloader is None:
-            raise ConfigError("validate: no validation data (pass a dataloader, a datamodule, or define val_dataloader)")
+            raise ConfigError(
+                "validate: no validation data (pass a dataloader, a datamodule, or define val_dataloader)"
+            )
         try:
             return self._validate(task, run)
         finally:
             self._teardown(task, run.relay, run.accelerator, "validate")
 
-    def predict(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> list[Any]:
+    def predict(
+        self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None
+    ) -> list[Any]:
         """Run `TaskModule.predict_step` over the data; return this rank's outputs, one per batch.
 
         Raises:
@@ -189,7 +224,9 @@ class Engine:
         """
         run = self._reuse_or_setup(task, "predict", datamodule, predict_dataloader=dataloader)
         if run.val_dataloader is None:
-            raise ConfigError("predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)")
+            raise ConfigError(
+                "predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)"
+            )
         relay, acc = run.relay, run.accelerator
         predictions: list[Any] = []
         try:
@@ -217,8 +254,12 @@ class Engine:
         with torch.no_grad():
             for batch_idx, batch in enumerate(run.val_dataloader):
                 outputs = task.validation_step(batch, batch_idx)
-                relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
-        relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self._buffer.log)
+                relay.call(
+                    "on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p
+                )
+        relay.call(
+            "on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self._buffer.log
+        )
         model.train(was_training)
         return self._flush(relay, acc)
 
@@ -258,7 +299,9 @@ class Engine:
     ) -> _Run:
         cfg = self.config
         default_step = DefaultTrainStep()
-        relay = HookRelay([*self.plugins, default_step, MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl"))])
+        relay = HookRelay(
+            [*self.plugins, default_step, MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl"))]
+        )
         default_step.relay, default_step.log = relay, self._buffer.log
         accelerator = _build_accelerator(relay, cfg)
         self.history, self.logged_metrics = [], {}
@@ -275,7 +318,9 @@ class Engine:
         if stage == "fit":
             train_dataloader = train_dataloader or _first(sources, "train_dataloader")
             if train_dataloader is None:
-                raise ConfigError("fit: no training data (pass train_dataloader, a datamodule, or define train_dataloader)")
+                raise ConfigError(
+                    "fit: no training data (pass train_dataloader, a datamodule, or define train_dataloader)"
+                )
             val_dataloader = val_dataloader or _first(sources, "val_dataloader")
         elif stage == "validate":
             val_dataloader = val_dataloader or _first(sources, "val_dataloader")
@@ -284,14 +329,19 @@ class Engine:
 
         model = task.configure_model()
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{type(task).__name__}.configure_model() returned {type(model).__name__}; expected an nn.Module")
+            raise TypeError(
+                f"{type(task).__name__}.configure_model() returned {type(model).__name__}; "
+                "expected an nn.Module"
+            )
         task.model, task.accelerator, task._log_fn = model, accelerator, self._buffer.log
         relay.call("configure_model", model=model, task=task, accelerator=accelerator)
 
         optimizer = scheduler = None
         if stage == "fit":
             spec = relay.call("configure_optimizers", model=model, task=task, accelerator=accelerator)
-            optimizer, scheduler = _split_optimizers(spec if spec is not None else task.configure_optimizers())
+            optimizer, scheduler = _split_optimizers(
+                spec if spec is not None else task.configure_optimizers()
+            )
             model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
             # The scheduler is stepped by the default step once per real optimizer step, so it is not
             # prepared (Accelerate would step it num_processes times per call); it is still checkpointed.
@@ -302,7 +352,9 @@ class Engine:
         if val_dataloader is not None:
             val_dataloader = accelerator.prepare(val_dataloader)
         for plugin in self.plugins:  # stateful plugins travel with accelerator.save_state / load_state
-            if callable(getattr(plugin, "state_dict", None)) and callable(getattr(plugin, "load_state_dict", None)):
+            if callable(getattr(plugin, "state_dict", None)) and callable(
+                getattr(plugin, "load_state_dict", None)
+            ):
                 accelerator.register_for_checkpointing(plugin)
         task.model = model
         self._run = _Run(accelerator, relay, model, optimizer, scheduler, train_dataloader, val_dataloader)
@@ -327,7 +379,9 @@ def _build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
         if fragment is None:
             continue
         if not isinstance(fragment, Mapping):
-            raise PluginError(f"plugin {name!r}: configure_accelerator returned {fragment!r}; expected a dict or None")
+            raise PluginError(
+                f"plugin {name!r}: configure_accelerator returned {fragment!r}; expected a dict or None"
+            )
         for key, value in fragment.items():
             if key in kwargs and kwargs[key] != value:
                 raise PluginError(
@@ -353,7 +407,11 @@ def _build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
 
 def _cpu_only_multiprocess_launch() -> bool:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return world_size > 1 and not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "") != "false"
+    return (
+        world_size > 1
+        and not torch.cuda.is_available()
+        and os.environ.get("ACCELERATE_USE_CPU", "") != "false"
+    )
 
 
 def _first(sources: list[Any], method: str) -> Any:

@@ -275,7 +275,11 @@ def before_backward(outputs: dict[str, Any], accelerator: Accelerator, progress:
 
 @hookspec
 def before_optimizer_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, accelerator: Accelerator, progress: Progress, log: LogFn
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    accelerator: Accelerator,
+    progress: Progress,
+    log: LogFn,
 ) -> None:
     """Called once per optimizer step, after the window's last backward and before ``optimizer.step()``.
 
@@ -361,7 +365,9 @@ def on_train_epoch_end(accelerator: Accelerator, progress: Progress, log: LogFn)
 
 
 @hookspec
-def on_validation_start(task: TaskModule, model: torch.nn.Module, accelerator: Accelerator, progress: Progress) -> None:
+def on_validation_start(
+    task: TaskModule, model: torch.nn.Module, accelerator: Accelerator, progress: Progress
+) -> None:
     """Called before a validation pass, with the model in eval mode.
 
     **Fires:** once per validation pass (every ``val_check_interval`` optimizer steps, or at the end of
@@ -484,7 +490,9 @@ def on_exception(exception: BaseException, accelerator: Accelerator, progress: P
 
 
 @hookspec
-def on_fit_end(accelerator: Accelerator, task: TaskModule, model: torch.nn.Module, progress: Progress) -> None:
+def on_fit_end(
+    accelerator: Accelerator, task: TaskModule, model: torch.nn.Module, progress: Progress
+) -> None:
     """Called when training ends, whether it completed or raised.
 
     **Fires:** once per ``fit``, on every rank that reached it, after the last validation and log.

@@ -42,7 +42,7 @@ ENTRY_POINT_GROUP = "torchloom.plugins"
 ALLOW_ENV = "TORCHLOOM_PLUGINS"
 TRACE_ENV = "TORCHLOOM_TRACE_HOOKS"
 
-PluginSpec = Union[Mapping[str, Any], Sequence[Any], None]
+PluginSpec = Mapping[str, Any] | Sequence[Any] | None
 
 
 @dataclass
@@ -121,7 +121,8 @@ def build_config(plugin_cls: type, settings: Mapping[str, Any] | None) -> Any:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"plugin {name!r}: unknown setting {key!r}{hint} Valid settings: {', '.join(fields) or '(none)'}"
+                f"plugin {name!r}: unknown setting {key!r}{hint} "
+                f"Valid settings: {', '.join(fields) or '(none)'}"
             )
         ok, coerced = _check_type(value, hints.get(key, Any))
         if not ok:
@@ -350,7 +351,9 @@ def _check_relations(plugins: Iterable[Any]) -> None:
                 raise PluginError(f"plugin {n!r} requires plugin {req!r}; enable it too")
         for other in getattr(p, "conflicts", ()):
             if other in seen:
-                raise PluginError(f"plugins {n!r} and {other!r} cannot be enabled together; enable one of them")
+                raise PluginError(
+                    f"plugins {n!r} and {other!r} cannot be enabled together; enable one of them"
+                )
 
 
 # ------------------------------------------------------------------------------------------- hook relay
@@ -381,7 +384,9 @@ class HookRelay:
         self._forward = self._manager(reversed(self.plugins))
         self._reverse = self._manager(self.plugins)
         self._implemented = {
-            name for name in dir(self._forward.hook) if not name.startswith("_")
+            name
+            for name in dir(self._forward.hook)
+            if not name.startswith("_")
             if getattr(self._forward.hook, name).get_hookimpls()
         }
 
@@ -430,6 +435,11 @@ class HookRelay:
             result = caller(**kwargs)
             results.append((impl.plugin_name, result[0] if result else None))
         return results
+
+    def call_order(self, hook_name: str) -> list[str]:
+        """Names of the plugins implementing ``hook_name``, in the order they run (wrappers first)."""
+        pm = self._reverse if _is_reversed(hook_name) else self._forward
+        return [impl.plugin_name for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls())]
 
     def hook_names(self, plugin: Any) -> list[str]:
         """The hooks ``plugin`` implements, in hookspec order."""
