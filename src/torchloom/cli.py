@@ -63,9 +63,7 @@ def _build_parser() -> Any:
         sub.add_argument("--config", action=ActionConfigFile, help="YAML config file (may be repeated)")
         sub.add_class_arguments(EngineConfig, "engine", help="Loop settings (torchloom.EngineConfig)")
         sub.add_subclass_arguments(TaskModule, "task", required=True, help="The task: class_path + init_args")
-        sub.add_subclass_arguments(
-            DataModule, "data", required=False, help="The data: class_path + init_args"
-        )
+        sub.add_subclass_arguments(DataModule, "data", required=False, help="The data: class_path + init_args")
         sub.add_argument(
             "--plugins",
             type=dict[str, dict[str, Any] | None] | list[str | dict[str, dict[str, Any] | None]] | None,
@@ -75,9 +73,7 @@ def _build_parser() -> Any:
         subcommands.add_subcommand(command, sub, help=f"{command} a task")
     plugins = ArgumentParser(description="List installed plugins (and the call order for a config)")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    plugins.add_argument(
-        "--config", type=str | None, default=None, help="a run config: show its plugin order"
-    )
+    plugins.add_argument("--config", type=str | None, default=None, help="a run config: show its plugin order")
     subcommands.add_subcommand("plugins", plugins, help="list installed plugins")
     return parser
 
@@ -85,11 +81,9 @@ def _build_parser() -> Any:
 def _run_command(parser: Any, cfg: Any, command: str) -> int:
     from torchloom.engine import Engine
 
-    sub_cfg = cfg[command]
-    sub_parser = parser._subcommands_action._name_parser_map[command]
-    resolved = yaml.safe_load(sub_parser.dump(sub_cfg, skip_none=False))
+    resolved = yaml.safe_load(parser.dump(cfg, skip_unset=False))[command]
     resolved.pop("config", None)
-    objects = sub_parser.instantiate_classes(sub_cfg)
+    objects = parser.instantiate(cfg)[command]
     engine = Engine(objects.engine, plugins=objects.plugins)
     engine.run_config = resolved
     task, data = objects.task, objects.data

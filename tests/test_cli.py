@@ -1,0 +1,120 @@
+"""The ``torchloom`` command: fit with config + dotted overrides, resolved config, plugins listing, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+TASK_MODULE = '''
+import torch
+from torchloom.testing import TinyTask
+
+
+class Regression(TinyTask):
+    """TinyTask whose settings are plain types, so a YAML config can set them."""
+
+    def __init__(self, lr: float = 0.1, batch_size: int = 4, n: int = 32):
+        super().__init__(n=n, batch_size=batch_size, lr=lr)
+'''
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchloom.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A directory with a task module next to a config, as a user project would have it."""
+    (tmp_path / "regression.py").write_text(TASK_MODULE)
+    config = {
+        "engine": {"max_epochs": 2, "log_every_n_steps": 2, "output_dir": str(tmp_path / "run")},
+        "task": {"class_path": "regression.Regression", "init_args": {"lr": 0.05}},
+        "plugins": {},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    return tmp_path
+
+
+def test_fit_writes_resolved_config_and_metrics(project: Path) -> None:
+    proc = run_cli(
+        "fit", "--config", "config.yaml", "--engine.max_epochs=3", "--task.init_args.batch_size=8", cwd=project
+    )
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load((project / "run" / "config.yaml").read_text())
+    # The override on the command line wins over the file; unspecified fields are filled with defaults.
+    assert resolved["engine"]["max_epochs"] == 3
+    assert resolved["engine"]["seed"] == 0
+    assert resolved["task"]["init_args"] == {"lr": 0.05, "batch_size": 8, "n": 32}
+    records = [json.loads(line) for line in (project / "run" / "metrics.jsonl").read_text().splitlines()]
+    # 32 samples / batch 8 = 4 optimizer steps per epoch, 3 epochs, a train/loss record every 2 steps.
+    train_steps = [r["step"] for r in records if "train/loss" in r]
+    assert train_steps == [2, 4, 6, 8, 10, 12]
+    val = [r for r in records if "val/loss" in r]
+    assert [(r["step"], r["epoch"]) for r in val] == [(4, 0), (8, 1), (12, 2)]
+    assert val[-1]["val/loss"] < val[0]["val/loss"]
+    assert "val/loss" in proc.stdout
+
+
+def test_print_config_shows_the_resolved_config_and_exits(project: Path) -> None:
+    proc = run_cli("fit", "--config", "config.yaml", "--engine.seed=7", "--print_config", cwd=project)
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["engine"]["seed"] == 7
+    assert printed["task"]["class_path"] == "regression.Regression"
+    assert not (project / "run").exists()  # nothing ran
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ('--plugins={"grad_acum": {}}', "unknown plugin 'grad_acum'. Did you mean 'grad_accum'?"),
+        ("--engine.max_epochs=0", "engine setting 'max_epochs': got 0; expected a positive integer"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(project: Path, override: str, expected: str) -> None:
+    proc = run_cli("fit", "--config", "config.yaml", override, cwd=project)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("torchloom: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (project / "run" / "config.yaml").exists()  # nothing half-written
+
+
+def test_plugins_lists_installed_builtins(tmp_path: Path) -> None:
+    proc = run_cli("plugins", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["name"]: row for row in json.loads(proc.stdout) if row["distribution"] == "torchloom"}
+    assert set(rows) >= {"grad_accum", "grad_checkpoint", "grad_clip", "local_sgd", "mixed_precision", "optimizer"}
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row["status"])
+        assert row["version"] and row["summary"] and row["hooks"], row
+    table = run_cli("plugins", cwd=tmp_path).stdout
+    assert "grad_accum  (torchloom" in table and "hooks:" in table
+
+
+def test_plugins_shows_call_order_for_a_config(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        textwrap.dedent("""
+        plugins:
+          grad_accum: {steps: 2}
+          grad_clip: {max_norm: 1.0}
+    """)
+    )
+    proc = run_cli("plugins", "--config", str(config), "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    order = json.loads(proc.stdout)
+    assert order["enabled"] == ["grad_accum", "grad_clip"]
+    # The default step runs last (trylast); grad_accum's gradient rescale runs before clipping.
+    assert order["hooks"]["run_train_step"][-1] == "torchloom.default_step"
+    assert order["hooks"]["before_optimizer_step"].index("grad_accum") < order["hooks"]["before_optimizer_step"].index(
+        "grad_clip"
+    )
