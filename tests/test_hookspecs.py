@@ -1,0 +1,168 @@
+"""The hook contract stays honest: every hook documented, named by family, and fired by a test.
+
+Coverage follows datasette's pattern (tests/test_plugins.py::test_plugin_hooks_have_tests): the names a
+`RecordingPlugin` sees across a fit, a validate, a predict and a failing fit must cover every hookspec.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pluggy
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torchloom
+from torchloom import hookspecs
+from torchloom.testing import RecordingPlugin, TinyTask
+
+
+def _spec_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+PM = _spec_manager()
+HOOKS = {name: getattr(PM.hook, name) for name in dir(PM.hook) if not name.startswith("_")}
+
+
+def test_there_are_hooks():
+    assert len(HOOKS) >= 20
+    assert {"configure_accelerator", "run_train_step", "on_fit_end", "teardown"} <= set(HOOKS)
+
+
+def docstring_problems(name: str, spec: pluggy.HookSpec) -> list[str]:
+    """What the hook's docstring lacks, per STYLE.md 2.4 (summary, Fires, one :param per argument)."""
+    doc = inspect.getdoc(spec.function)
+    if not doc:
+        return [f"{name}: no docstring"]
+    problems = []
+    lines = doc.splitlines()
+    if not lines[0].strip().endswith("."):
+        problems.append(f"{name}: the first line must be a one-line summary ending with a period")
+    if len(lines) < 2 or lines[1] != "":
+        problems.append(f"{name}: a blank line must follow the summary")
+    if "**Fires:**" not in doc:
+        problems.append(f"{name}: no **Fires:** section")
+    documented = re.findall(r"^:param (\w+):", doc, flags=re.MULTILINE)
+    if sorted(documented) != sorted(spec.argnames):
+        problems.append(f"{name}: :param entries {documented} do not match the arguments {list(spec.argnames)}")
+    if name.startswith(("configure_", "run_")) and "**Returns:**" not in doc:
+        problems.append(f"{name}: set-up and run_* hooks must say what they return and how results combine")
+    if spec.opts.get("firstresult") and "first non-None" not in doc.replace("\n", " "):
+        problems.append(f"{name}: a firstresult hook must say that the first non-None result wins")
+    return problems
+
+
+@pytest.mark.parametrize("name", sorted(HOOKS))
+def test_hook_docstring(name):
+    assert docstring_problems(name, HOOKS[name].spec) == []
+
+
+def test_docstring_check_catches_drift():
+    class Specs:
+        @staticmethod
+        @hookspecs.hookspec
+        def on_thing_end(alpha, beta) -> None:
+            """Called at the end of the thing.
+
+            :param alpha: the alpha.
+            :param gamma: a parameter that no longer exists.
+            """
+
+        @staticmethod
+        @hookspecs.hookspec(firstresult=True)
+        def configure_thing(alpha):
+            """Return the thing
+            :param alpha: the alpha.
+            """
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(Specs)
+    assert docstring_problems("on_thing_end", pm.hook.on_thing_end.spec) == [
+        "on_thing_end: no **Fires:** section",
+        "on_thing_end: :param entries ['alpha', 'gamma'] do not match the arguments ['alpha', 'beta']",
+    ]
+    assert len(docstring_problems("configure_thing", pm.hook.configure_thing.spec)) == 5
+
+
+FAMILIES = [
+    ("configure", r"^configure_[a-z_]+$"),
+    ("notification", r"^on_[a-z_]+_(start|end)$"),
+    ("other on_", r"^on_[a-z_]+$"),
+    ("around", r"^(before|after)_[a-z_]+$"),
+    ("run", r"^run_[a-z_]+$"),
+    ("teardown", r"^teardown$"),
+]
+
+
+@pytest.mark.parametrize("name", sorted(HOOKS))
+def test_hook_name_follows_a_family(name):
+    assert any(re.match(pattern, name) for _, pattern in FAMILIES), f"hook {name} is in no naming family"
+    returns = inspect.signature(HOOKS[name].spec.function).return_annotation
+    if name.startswith(("on_", "before_", "after_")) or name == "teardown":
+        assert returns == "None", f"{name}: notifications and before_/after_ hooks return None"
+        assert not HOOKS[name].spec.opts.get("firstresult")
+    if name.startswith("run_"):
+        assert HOOKS[name].spec.opts.get("firstresult"), f"{name}: a run_* step has one result"
+
+
+def test_family_check_rejects_bad_names():
+    for bad in ("train_step", "setup", "onfit_start", "configure", "before"):
+        assert not any(re.match(pattern, bad) for _, pattern in FAMILIES), bad
+
+
+def test_recording_plugin_implements_every_hook():
+    implemented = {
+        name for name in dir(RecordingPlugin) if getattr(getattr(RecordingPlugin, name), "torchloom_impl", None)
+    }
+    assert implemented == set(HOOKS)
+
+
+# ------------------------------------------------------------------------------------------- coverage
+
+
+def _fire_everything(tmp_path) -> tuple[list[str], list[str]]:
+    """Names the recorder saw in a fit; and over that fit, validate, predict and a fit that raises."""
+    rec = RecordingPlugin()
+    engine = torchloom.Engine(plugins=[rec], log_every_n_steps=1, output_dir=str(tmp_path / "ok"))
+    task = TinyTask(n=8, batch_size=4)
+    engine.fit(task)
+    fit_calls = list(rec.calls)
+    engine.validate(task)
+    engine.predict(task, DataLoader(torch.zeros(3, 4), batch_size=2))
+
+    class Failing(TinyTask):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    failing = torchloom.Engine(plugins=[rec], output_dir=str(tmp_path / "fail"))
+    with pytest.raises(RuntimeError, match="boom"):
+        failing.fit(Failing(n=8, batch_size=4))
+    return fit_calls, rec.calls
+
+
+def test_every_hook_is_fired(tmp_path):
+    fired = set(_fire_everything(tmp_path)[1])
+    assert fired == set(HOOKS), f"never fired: {sorted(set(HOOKS) - fired)}; unknown: {sorted(fired - set(HOOKS))}"
+
+
+def test_documented_firing_order_matches_a_fit(tmp_path):
+    """The order diagram in the hookspecs module docstring lists the hooks in the order a fit first fires them."""
+    diagram = inspect.getdoc(hookspecs).split("Firing order of ``Engine.fit``")[1]
+    listed = []
+    for match in re.finditer(r"^\s+([a-z_]+)\s{2,}", diagram, flags=re.MULTILINE):
+        if match.group(1) in HOOKS and match.group(1) not in listed:
+            listed.append(match.group(1))
+    assert len(listed) >= 15
+    # on_exception comes only from a failing fit, between on_train_epoch_end and on_fit_end
+    assert listed.index("on_train_epoch_end") < listed.index("on_exception") < listed.index("on_fit_end")
+    listed.remove("on_exception")
+    first_seen: list[str] = []
+    for name in _fire_everything(tmp_path)[0]:
+        if name not in first_seen:
+            first_seen.append(name)
+    assert first_seen == listed

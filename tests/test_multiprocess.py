@@ -1,0 +1,105 @@
+"""Two CPU processes under torchrun (gloo): data-parallel training equals one process over the same global batches.
+
+Accelerate shards a non-shuffled prepared dataloader by whole batches (``split_batches=False``): with batch
+size 4 on 2 processes, global step k uses batch 2k on rank 0 and batch 2k+1 on rank 1, i.e. samples
+[8k, 8k+4) and [8k+4, 8k+8). DDP averages the two ranks' mean gradients, which for equal halves is the mean
+gradient over the 8 samples: exactly one process with batch size 8. The test checks the sharding too, so
+the comparison is over the same samples, not just the same count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torchloom
+from torchloom.testing import TinyTask, tiny_dataset
+from torchrun_util import torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("core_fit")
+    return out, torchrun("core_fit.py", out, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The same fit in this process, with one process and batch size 8."""
+    out = tmp_path_factory.mktemp("single")
+    task = TinyTask(n=32, batch_size=8)
+    engine = torchloom.Engine(max_epochs=EPOCHS, log_every_n_steps=1, output_dir=str(out))
+    engine.fit(task)
+    model = task.accelerator.unwrap_model(task.model)
+    return {
+        "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
+        "history": engine.history,
+        "global_step": engine.progress.global_step,
+    }
+
+
+def test_two_cpu_processes_form_one_data_parallel_group(ranks):
+    _, results = ranks
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 for r in results)
+    assert all(r["distributed_type"] == "DistributedType.MULTI_CPU" for r in results)
+    assert [r["global_step"] for r in results] == [EPOCHS * 4] * 2  # 32 samples / global batch 8
+
+
+def test_dataloader_is_sharded_by_whole_batches(ranks):
+    _, results = ranks
+    x0 = tiny_dataset(32, 4, 0).tensors[0][:, 0].tolist()
+    for r in results:
+        rank = r["rank"]
+        assert [(s["epoch"], s["batch_idx"]) for s in r["samples"]] == [(e, k) for e in range(EPOCHS) for k in range(4)]
+        for s in r["samples"]:
+            start = 8 * s["batch_idx"] + 4 * rank
+            assert s["x0"] == pytest.approx(x0[start : start + 4], abs=0)
+
+
+def test_parameters_identical_on_both_ranks(ranks):
+    _, (r0, r1) = ranks
+    assert r0["params"] == r1["params"]  # bit-identical
+
+
+def test_parameters_equal_one_process_over_the_same_global_batches(ranks, single):
+    _, (r0, _) = ranks
+    assert single["global_step"] == r0["global_step"]
+    for p2, p1 in zip(r0["params"], single["params"], strict=True):
+        torch.testing.assert_close(torch.tensor(p2), torch.tensor(p1), rtol=0, atol=1e-6)
+    # the 2-process run really trained: its parameters moved away from the initial ones
+    torch.manual_seed(0)
+    initial = torch.nn.Linear(4, 1).weight.detach().double().flatten()
+    assert not torch.allclose(torch.tensor(r0["params"][0], dtype=torch.float64), initial, atol=1e-2)
+
+
+def test_logged_values_equal_across_ranks_and_one_process(ranks, single):
+    _, (r0, r1) = ranks
+    val0 = [(h["step"], h["val/loss"]) for h in r0["history"] if "val/loss" in h]
+    val1 = [(h["step"], h["val/loss"]) for h in r1["history"] if "val/loss" in h]
+    val_single = [(h["step"], h["val/loss"]) for h in single["history"] if "val/loss" in h]
+    assert [s for s, _ in val0] == [4, 8]
+    assert val0 == val1  # reduced over ranks: the same number everywhere
+    assert [s for s, _ in val_single] == [4, 8]
+    assert [v for _, v in val0] == pytest.approx([v for _, v in val_single], rel=1e-6, abs=1e-7)
+    # the training loss of each step is the mean over the 8 samples of the global batch, as with one process
+    train0 = [h["train/loss"] for h in r0["history"] if "train/loss" in h]
+    train_single = [h["train/loss"] for h in single["history"] if "train/loss" in h]
+    assert len(train0) == EPOCHS * 4
+    assert train0 == pytest.approx(train_single, rel=1e-6, abs=1e-7)
+
+
+def test_only_rank_zero_writes(ranks):
+    out, (r0, r1) = ranks
+    assert r0["on_log_calls"] == len(r0["history"]) > 0
+    assert r1["on_log_calls"] == 0
+    assert not (out / "run-rank1").exists()  # rank 1 created nothing at all
+    lines = (out / "run-rank0" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == r0["history"]
+    assert (out / "run-rank0" / "config.yaml").exists()
