@@ -41,7 +41,8 @@ def tests(session: nox.Session) -> None:
     fixtures = sorted(
         d for d in glob.glob("tests/fixtures/*/") if os.path.exists(os.path.join(d, "pyproject.toml"))
     )
-    if fixtures:
+    if fixtures:  # built with setuptools, without build isolation (offline-friendly, fast)
+        session.install("setuptools")
         session.install("--no-deps", "--no-build-isolation", *fixtures)
     session.run("pytest", *(session.posargs or ("-q",)), env=OFFLINE)
 
