@@ -1,0 +1,102 @@
+"""Gradient clipping by total norm, once per optimizer step, on unscaled gradients.
+
+Method card
+-----------
+- **What:** if the total ``norm_type``-norm of all gradients exceeds ``max_norm``, scale every gradient by
+  ``max_norm / (norm + 1e-6)`` (`torch.nn.utils.clip_grad_norm_`); log the norm before clipping as
+  ``grad_norm``.
+- **Mechanism:** `accelerate.Accelerator.clip_grad_norm_`, which first unscales the gradients of an fp16
+  loss scaler (``GradScaler.unscale_``, at most once per optimizer step; ``optimizer.step()`` then does not
+  unscale again) and handles FSDP / DeepSpeed / XLA.
+- **Hook:** ``before_optimizer_step``: it fires once per optimizer step, only on the micro-batch that ends
+  an accumulation window, after the gradients are all-reduced and after ``grad_accum``'s window rescale
+  (``tryfirst``), and before ``optimizer.step()``.
+- **Logging:** ``log("grad_norm", norm)`` buffers the 0-dim tensor on its device (no host sync); the value
+  reported at each logging interval is the mean over the optimizer steps since the previous one. On a step
+  that the fp16 loss scaler skips (overflow) the norm is ``inf`` or ``nan``.
+- **Sources:** Pascanu et al., "On the difficulty of training recurrent neural networks" (ICML 2013);
+  Lightning-AI/pytorch-lightning issue #9694 and rwth-i6/returnn issue #1590 (clipping scaled gradients);
+  huggingface/accelerate issue #641 (unscale once per step under accumulation); Composer's
+  ``gradient_clipping`` algorithm.
+
+Functional use, without the engine: ``clip_gradients(accelerator, model.parameters(), max_norm=1.0)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import torchloom
+
+__all__ = ["GradientClipping", "GradientClippingConfig", "clip_gradients"]
+
+
+@dataclass
+class GradientClippingConfig:
+    """Settings of the ``grad_clip`` plugin.
+
+    Args:
+        max_norm (`float`, defaults to 1.0): the largest allowed total gradient norm; ``> 0``.
+        norm_type (`float`, defaults to 2.0): the p of the p-norm; ``> 0``, or ``inf`` for the max-norm.
+
+    Raises:
+        ConfigError: ``max_norm`` or ``norm_type`` not positive (or not a number).
+    """
+
+    max_norm: float = 1.0  # largest allowed total gradient norm (> 0)
+    norm_type: float = 2.0  # p of the p-norm (> 0, or inf)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.max_norm) and self.max_norm > 0):
+            raise torchloom.ConfigError(f"setting 'max_norm' = {self.max_norm!r}; expected a finite number > 0")
+        if math.isnan(self.norm_type) or self.norm_type <= 0:
+            raise torchloom.ConfigError(f"setting 'norm_type' = {self.norm_type!r}; expected a number > 0 or inf")
+
+
+def clip_gradients(
+    accelerator: Any, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor | None:
+    """Unscale (fp16) and clip gradients by total norm, through `accelerate.Accelerator.clip_grad_norm_`.
+
+    Call it at most once per optimizer step, after the last backward of the step and before
+    ``optimizer.step()``: the fp16 loss scaler allows one ``unscale_`` per step.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the run's Accelerator (it owns the loss scaler).
+        parameters (`Iterable[torch.nn.Parameter]`): the prepared model's parameters.
+        max_norm (`float`): the largest allowed total norm.
+        norm_type (`float`, defaults to 2.0): the p of the p-norm (``inf`` for the max-norm).
+
+    Returns:
+        `torch.Tensor` or `None`: the 0-dim total norm before clipping, on the gradients' device (``inf`` /
+        ``nan`` when an fp16 overflow makes the scaler skip this step); ``None`` under DeepSpeed without an
+        engine, where Accelerate reports no norm.
+    """
+    return accelerator.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+
+class GradientClipping(torchloom.Plugin):
+    """Clip the total gradient norm once per optimizer step and log it as ``grad_norm``.
+
+    Implements ``before_optimizer_step``. See the module docstring and ``docs/plugins/grad_clip.md``.
+
+    Example:
+
+    .. code-block:: python
+
+        engine = torchloom.Engine(plugins={"grad_clip": {"max_norm": 1.0}})
+    """
+
+    name = "grad_clip"
+    Config = GradientClippingConfig
+
+    @torchloom.hookimpl
+    def before_optimizer_step(self, model: torch.nn.Module, accelerator, log) -> None:
+        norm = clip_gradients(accelerator, model.parameters(), self.config.max_norm, self.config.norm_type)
+        if norm is not None:
+            log("grad_norm", norm)
