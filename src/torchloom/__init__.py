@@ -8,6 +8,7 @@ from torchloom.data import DataModule
 from torchloom.engine import Engine
 from torchloom.errors import ConfigError, PluginError, TorchloomError
 from torchloom.hookspecs import hookimpl, hookspec
+from torchloom.memory import estimate_optimizer_memory
 from torchloom.module import TaskModule
 from torchloom.plugins import Plugin, PluginInfo, build_config, enable_plugins, installed_plugins
 from torchloom.progress import Progress
@@ -28,6 +29,7 @@ __all__ = [
     "__version__",
     "build_config",
     "enable_plugins",
+    "estimate_optimizer_memory",
     "hookimpl",
     "hookspec",
     "installed_plugins",

@@ -7,6 +7,7 @@ plugins that contribute Accelerator settings, transform the model, or wrap ``run
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -305,8 +306,6 @@ class Engine:
         default_step.relay, default_step.log = relay, self._buffer.log
         accelerator = _build_accelerator(relay, cfg)
         self.history, self.logged_metrics = [], {}
-        if accelerator.is_main_process and stage == "fit":
-            _write_run_config(cfg.output_dir, self.run_config or self._default_run_config())
         if cfg.seed is not None:
             set_seed(cfg.seed)
 
@@ -338,7 +337,9 @@ class Engine:
 
         optimizer = scheduler = None
         if stage == "fit":
-            spec = relay.call("configure_optimizers", model=model, task=task, accelerator=accelerator)
+            task.num_training_steps = _num_training_steps(cfg, train_dataloader, accelerator)
+            spec = relay.call("configure_optimizers", model=model, task=task, accelerator=accelerator,
+                              num_training_steps=task.num_training_steps)
             optimizer, scheduler = _split_optimizers(
                 spec if spec is not None else task.configure_optimizers()
             )
@@ -357,6 +358,9 @@ class Engine:
             ):
                 accelerator.register_for_checkpointing(plugin)
         task.model = model
+        # Written last, so that a run that fails to start leaves nothing in output_dir.
+        if accelerator.is_main_process and stage == "fit":
+            _write_run_config(cfg.output_dir, self.run_config or self._default_run_config())
         self._run = _Run(accelerator, relay, model, optimizer, scheduler, train_dataloader, val_dataloader)
         return self._run
 
@@ -403,6 +407,19 @@ def _build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
     except (TypeError, ValueError) as exc:
         who = ", ".join(f"{k} from {owners[k]!r}" for k in kwargs if k in owners)
         raise ConfigError(f"cannot build the Accelerator ({who or 'defaults'}): {exc}") from None
+
+
+def _num_training_steps(config: EngineConfig, train_dataloader: Any, accelerator: Accelerator) -> int | None:
+    """Optimizer steps the fit will take (see the ``configure_optimizers`` hook), before anything is prepared."""
+    try:
+        batches = len(train_dataloader)
+    except TypeError:  # an iterable dataset without a length
+        return config.max_steps
+    if accelerator.num_processes > 1 and not accelerator.split_batches:  # the shard of rank 0
+        n = accelerator.num_processes
+        batches = batches // n if getattr(train_dataloader, "drop_last", False) else math.ceil(batches / n)
+    total = math.ceil(batches / accelerator.gradient_accumulation_steps) * config.max_epochs
+    return total if config.max_steps is None else min(total, config.max_steps)
 
 
 def _cpu_only_multiprocess_launch() -> bool:

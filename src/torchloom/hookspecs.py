@@ -120,7 +120,9 @@ def configure_model(model: torch.nn.Module, task: TaskModule, accelerator: Accel
 
 
 @hookspec(firstresult=True)
-def configure_optimizers(model: torch.nn.Module, task: TaskModule, accelerator: Accelerator) -> Any:
+def configure_optimizers(
+    model: torch.nn.Module, task: TaskModule, accelerator: Accelerator, num_training_steps: int | None
+) -> Any:
     """Return the optimizer (and optionally a learning-rate scheduler) to train with, or ``None``.
 
     **Fires:** once per ``fit``, on every rank, after ``configure_model`` and before
@@ -129,6 +131,11 @@ def configure_optimizers(model: torch.nn.Module, task: TaskModule, accelerator: 
     :param model: the (unprepared) model whose parameters are to be optimized.
     :param task: the user's task.
     :param accelerator: the run's Accelerator.
+    :param num_training_steps: the optimizer steps this fit will take (what a learning-rate schedule spans):
+        ``ceil(batches_per_process / gradient_accumulation_steps) * max_epochs``, capped by ``max_steps``,
+        where ``batches_per_process`` is the train dataloader's length after sharding over the processes
+        (rank 0's count) and a last partial accumulation window counts as a step. ``max_steps`` alone when
+        the dataloader has no length; ``None`` when neither is known.
 
     **Returns:** the same forms as `TaskModule.configure_optimizers`: an optimizer, an
     ``(optimizer, scheduler)`` pair, or ``{"optimizer": ..., "lr_scheduler": ...}``. Stops at the first

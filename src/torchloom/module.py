@@ -24,6 +24,9 @@ class TaskModule:
     Attributes set by the engine:
         model (`torch.nn.Module`): the prepared model.
         accelerator (`accelerate.Accelerator`): the run's Accelerator (device, rank, gather, ...).
+        num_training_steps (`int` or ``None``): set before `configure_optimizers` in ``fit``: the optimizer
+            steps the fit will take (what a learning-rate schedule spans; see the ``configure_optimizers``
+            hook); ``None`` when the training dataloader has no length and ``max_steps`` is not set.
 
     Example:
 
@@ -43,6 +46,7 @@ class TaskModule:
 
     model: torch.nn.Module
     accelerator: Accelerator
+    num_training_steps: int | None = None
 
     def __init__(self) -> None:
         self._log_fn: Any = None

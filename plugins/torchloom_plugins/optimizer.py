@@ -1,0 +1,392 @@
+"""Optimizer swap by name, with parameter groups for weight decay and a schedule from transformers.
+
+Method card
+-----------
+- **What:** builds the run's optimizer from a name (``adamw``: `torch.optim.AdamW`; ``sgd``: `torch.optim.SGD`;
+  ``adafactor``: `transformers.Adafactor`, Shazeer & Stern 2018, arXiv:1804.04235; ``adamw8bit``,
+  ``adam8bit``, ``paged_adamw8bit``: bitsandbytes 8-bit Adam, Dettmers et al. 2022, arXiv:2110.02861) and an
+  optional learning-rate schedule from `transformers.get_scheduler`, so a config can switch optimizers without
+  touching the task.
+- **Hooks:** ``configure_optimizers`` (first result wins, so the task's own optimizer is not built);
+  ``after_optimizer_step`` logs ``lr`` every optimizer step and ``optimizer/state_bytes`` once after the first
+  step that ran; ``teardown`` releases the bitsandbytes overrides it registered.
+- **Guarantees:** every configured hyperparameter reaches ``optimizer.param_groups`` exactly (no library default
+  leaks in); weight decay skips biases and normalisation weights (``no_decay``); Adafactor's relative step
+  (``lr: null``) runs under the transformers proxy schedule and logs the step size it really used; 8-bit Adam
+  keeps 32-bit state for embeddings (the HF Trainer's module override) and for tensors under ``min_8bit_size``;
+  the logged state size equals `torchloom.estimate_optimizer_memory` made before training.
+- **Functional core:** `create_optimizer`, `create_scheduler`, `decay_split`, `optimizer_state_bytes` work
+  without the loop.
+
+Run: ``torchloom fit config.yaml`` with ``plugins: {optimizer: {name: adamw, lr: 3.0e-4, weight_decay: 0.01,
+scheduler: cosine, warmup_ratio: 0.05}}``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+import torchloom
+from torchloom import ConfigError
+
+__all__ = [
+    "OptimizerConfig",
+    "OptimizerSwap",
+    "create_optimizer",
+    "create_scheduler",
+    "decay_split",
+    "optimizer_state_bytes",
+]
+
+OptimizerName = Literal["adamw", "adafactor", "adamw8bit", "adam8bit", "paged_adamw8bit", "sgd"]
+_ADAM = ("adamw", "adamw8bit", "adam8bit", "paged_adamw8bit")
+_EIGHT_BIT = ("adamw8bit", "adam8bit", "paged_adamw8bit")
+# Settings that only some optimizers take: setting one for another optimizer is an error, never ignored.
+_ONLY_FOR = {
+    "betas": _ADAM,
+    "eps": (*_ADAM, "adafactor"),
+    "momentum": ("sgd",),
+    "scale_parameter": ("adafactor",),
+    "warmup_init": ("adafactor",),
+    "embedding_32bit": _EIGHT_BIT,
+    "min_8bit_size": _EIGHT_BIT,
+}
+# Schedules whose step() needs a metric or a loss: the engine calls scheduler.step() without arguments.
+_UNSUPPORTED_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
+_NEEDS_TOTAL = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+)
+
+
+@dataclass
+class OptimizerConfig:
+    """Settings of the ``optimizer`` plugin. ``None`` means "the optimizer's own default" (listed per field).
+
+    Raises:
+        ConfigError: a value out of range, a setting the chosen optimizer does not take, or ``lr: null`` with an
+            optimizer other than ``adafactor``.
+    """
+
+    name: OptimizerName = "adamw"  # which optimizer
+    lr: float | None = 1e-3  # learning rate; null (adafactor only) = Adafactor's relative step size
+    betas: tuple[float, float] | None = None  # Adam family; default (0.9, 0.999)
+    eps: float | None = None  # Adam family: default 1e-8; adafactor: eps[0] (default 1e-30)
+    weight_decay: float = 0.0  # applied to every parameter except those matched by no_decay
+    momentum: float | None = None  # sgd only; default 0
+    no_decay: list[str] = field(default_factory=lambda: ["bias", "norm"])  # substrings exempt from decay
+    scale_parameter: bool | None = None  # adafactor: scale steps by the parameter's RMS; default True
+    warmup_init: bool | None = None  # adafactor with lr null: time-dependent warm-up; default False
+    embedding_32bit: bool | None = None  # 8-bit: keep nn.Embedding weights in 32-bit state; default True
+    min_8bit_size: int | None = None  # 8-bit: tensors with fewer elements keep 32-bit state; default 4096
+    scheduler: str | None = None  # a transformers get_scheduler name ("linear", "cosine", ...); null = constant
+    warmup_steps: int = 0  # warm-up optimizer steps of the schedule
+    warmup_ratio: float = 0.0  # warm-up as a fraction of the run's optimizer steps (exclusive with warmup_steps)
+    scheduler_kwargs: dict[str, Any] = field(default_factory=dict)  # extra get_scheduler arguments
+
+    def __post_init__(self) -> None:
+        name = self.name
+        for setting, names in _ONLY_FOR.items():
+            if getattr(self, setting) is not None and name not in names:
+                raise ConfigError(
+                    f"setting {setting!r} = {getattr(self, setting)!r} does not apply to optimizer {name!r}; "
+                    f"it applies to {', '.join(names)}"
+                )
+        if self.lr is None:
+            if name != "adafactor":
+                raise ConfigError(
+                    f"setting 'lr' = None: only 'adafactor' has a relative step; {name!r} needs an lr > 0"
+                )
+        elif not self.lr > 0:
+            raise ConfigError(f"setting 'lr' = {self.lr!r}: expected a learning rate > 0 (or null for adafactor)")
+        if self.betas is not None and (len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas)):
+            raise ConfigError(f"setting 'betas' = {self.betas!r}: expected two numbers in [0, 1)")
+        if self.eps is not None and not self.eps >= 0:
+            raise ConfigError(f"setting 'eps' = {self.eps!r}: expected a number >= 0")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"setting 'weight_decay' = {self.weight_decay!r}: expected a number >= 0")
+        if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"setting 'momentum' = {self.momentum!r}: expected a number in [0, 1)")
+        if self.warmup_init and self.lr is not None:
+            raise ConfigError("setting 'warmup_init' = True needs Adafactor's relative step: set lr to null")
+        if self.min_8bit_size is not None and self.min_8bit_size < 0:
+            raise ConfigError(f"setting 'min_8bit_size' = {self.min_8bit_size!r}: expected an integer >= 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"setting 'warmup_steps' = {self.warmup_steps!r}: expected an integer >= 0")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"setting 'warmup_ratio' = {self.warmup_ratio!r}: expected a number in [0, 1)")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ConfigError("settings 'warmup_steps' and 'warmup_ratio' are both set; set one of them")
+        if self.scheduler is not None:
+            valid = _schedule_names()
+            if self.scheduler not in valid:
+                close = difflib.get_close_matches(self.scheduler, valid, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"setting 'scheduler' = {self.scheduler!r}{hint}: expected one of {', '.join(valid)}")
+        if self.lr is None and self.scheduler not in (None, "constant"):
+            raise ConfigError(
+                f"setting 'scheduler' = {self.scheduler!r}: Adafactor's relative step (lr null) computes its own "
+                "schedule; set scheduler to null, or set an lr to use an external schedule"
+            )
+        if (self.warmup_steps or self.warmup_ratio) and self.scheduler in (None, "constant"):
+            raise ConfigError(
+                f"warm-up is set but setting 'scheduler' = {self.scheduler!r} has none; "
+                "use e.g. 'constant_with_warmup', 'linear' or 'cosine'"
+            )
+
+
+def _schedule_names() -> list[str]:
+    from transformers import SchedulerType
+
+    return [s.value for s in SchedulerType if s.value not in _UNSUPPORTED_SCHEDULES]
+
+
+# ------------------------------------------------------------------------------------------ functional core
+
+
+def decay_split(model: torch.nn.Module, no_decay: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Split the trainable parameters of ``model`` into (decayed, not decayed) qualified names.
+
+    A parameter is not decayed when any ``no_decay`` item is a case-insensitive substring of its qualified name
+    (``encoder.layer.0.output.dense.bias``) or of the class name of the module that owns it (``LayerNorm``,
+    ``LlamaRMSNorm``, ``BatchNorm1d``), so ``["bias", "norm"]`` exempts biases and normalisation weights as the
+    HF Trainer does. Frozen parameters (``requires_grad=False``) are in neither list.
+
+    Args:
+        model (`torch.nn.Module`): the model.
+        no_decay (`list[str]`): substrings; empty = decay everything.
+
+    Returns:
+        `tuple[list[str], list[str]]`: names in ``model.named_parameters()`` order.
+    """
+    patterns = [s.lower() for s in no_decay]
+    decay: list[str] = []
+    skip: list[str] = []
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        owner = type(module).__name__.lower()
+        for param_name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            exempt = any(s in full.lower() or s in owner for s in patterns)
+            (skip if exempt else decay).append(full)
+    return decay, skip
+
+
+def create_optimizer(
+    model: torch.nn.Module, config: OptimizerConfig, device_type: str = "cpu"
+) -> torch.optim.Optimizer:
+    """Build the optimizer ``config`` names over the trainable parameters of ``model``.
+
+    Parameter groups: group 0 holds the decayed parameters with ``weight_decay``, group 1 those matched by
+    ``no_decay`` with weight decay 0 (see `decay_split`); when ``weight_decay`` is 0 or nothing is exempt there
+    is one group. For the 8-bit optimizers with ``embedding_32bit``, every `torch.nn.Embedding` weight is
+    registered with ``bitsandbytes.optim.GlobalOptimManager.register_module_override(module, "weight",
+    {"optim_bits": 32})``, as the HF Trainer does; undo it with `release_overrides`.
+
+    Args:
+        model (`torch.nn.Module`): the unprepared model.
+        config (`OptimizerConfig`): the settings.
+        device_type (`str`, defaults to ``"cpu"``): the device the run trains on (``accelerator.device.type``).
+
+    Returns:
+        `torch.optim.Optimizer`.
+
+    Raises:
+        ConfigError: ``paged_adamw8bit`` on a device other than CUDA, or a model without trainable parameters.
+    """
+    c = config
+    if c.name == "paged_adamw8bit" and device_type != "cuda":
+        raise ConfigError(
+            f"setting 'name' = 'paged_adamw8bit' pages optimizer state through CUDA unified memory and needs a "
+            f"CUDA device; this run is on {device_type!r}. Use 'adamw8bit' (same update, no paging)"
+        )
+    named = dict(model.named_parameters())
+    decay, skip = decay_split(model, c.no_decay if c.weight_decay else [])
+    if not decay and not skip:
+        raise ConfigError(f"optimizer {c.name!r}: the model has no trainable parameters (all requires_grad=False)")
+    groups = [
+        {"params": [named[n] for n in names], "weight_decay": wd}
+        for names, wd in ((decay, c.weight_decay), (skip, 0.0))
+        if names
+    ]
+    lr: Any = c.lr  # None only for adafactor (validated by OptimizerConfig)
+    if c.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=c.betas or (0.9, 0.999), eps=_or(c.eps, 1e-8))
+    if c.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=_or(c.momentum, 0.0))
+    if c.name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(
+            groups,
+            lr=lr,
+            eps=(_or(c.eps, 1e-30), 1e-3),
+            relative_step=lr is None,
+            scale_parameter=_or(c.scale_parameter, True),
+            warmup_init=_or(c.warmup_init, False),
+        )
+    import bitsandbytes as bnb
+
+    cls = {
+        "adamw8bit": bnb.optim.AdamW8bit,
+        "adam8bit": bnb.optim.Adam8bit,
+        "paged_adamw8bit": bnb.optim.PagedAdamW8bit,
+    }[c.name]
+    optimizer = cls(
+        groups, lr=lr, betas=c.betas or (0.9, 0.999), eps=_or(c.eps, 1e-8), min_8bit_size=_or(c.min_8bit_size, 4096)
+    )
+    if _or(c.embedding_32bit, True):
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding) and module.weight.requires_grad:
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
+
+
+def release_overrides(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Remove the bitsandbytes module overrides `create_optimizer` registered for ``model``.
+
+    ``GlobalOptimManager`` is a process-wide singleton that keeps the overridden modules alive and keys its
+    per-optimizer table by (group index, parameter index): left in place, a later optimizer in the same
+    process would inherit 32-bit state at those positions.
+    """
+    import bitsandbytes as bnb
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    modules = {id(m) for m in model.modules()}
+    manager.module_weight_config_triple[:] = [t for t in manager.module_weight_config_triple if id(t[0]) not in modules]
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if manager.pid2config.pop(id(p), None) is not None:
+                manager.index2config.pop((gi, pi), None)
+
+
+def create_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, num_training_steps: int | None) -> Any:
+    """Build the learning-rate schedule, stepped once per optimizer step; ``None`` for a constant lr.
+
+    With Adafactor's relative step (``lr`` null) this is `transformers.optimization.AdafactorSchedule`, the proxy
+    whose ``get_lr`` reads the step size Adafactor computed (transformers PR #12123), so ``param_groups[0]["lr"]``
+    holds the lr really used. Otherwise `transformers.get_scheduler` with ``num_warmup_steps = warmup_steps``
+    or ``ceil(warmup_ratio * num_training_steps)``.
+
+    Args:
+        optimizer (`torch.optim.Optimizer`): from `create_optimizer`.
+        config (`OptimizerConfig`): the settings.
+        num_training_steps (`int`, *optional*): the run's optimizer steps (the ``configure_optimizers`` hook
+            argument).
+
+    Raises:
+        ConfigError: the schedule or ``warmup_ratio`` needs ``num_training_steps`` and it is unknown, or the
+            schedule rejects ``scheduler_kwargs``.
+    """
+    c = config
+    if c.name == "adafactor" and c.lr is None:
+        from transformers.optimization import AdafactorSchedule
+
+        return AdafactorSchedule(optimizer)
+    if c.scheduler is None:
+        return None
+    if num_training_steps is None and (c.scheduler in _NEEDS_TOTAL or c.warmup_ratio):
+        what = f"scheduler {c.scheduler!r}" if c.scheduler in _NEEDS_TOTAL else "setting 'warmup_ratio'"
+        raise ConfigError(
+            f"{what} needs the run's number of optimizer steps, which is unknown (the train dataloader has no "
+            "length): set the engine's max_steps"
+        )
+    warmup = c.warmup_steps or (math.ceil(c.warmup_ratio * num_training_steps) if num_training_steps else 0)
+    from transformers import get_scheduler
+
+    try:
+        return get_scheduler(
+            c.scheduler,
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=num_training_steps,
+            scheduler_specific_kwargs=dict(c.scheduler_kwargs),
+        )
+    except TypeError as exc:
+        raise ConfigError(f"setting 'scheduler_kwargs' = {c.scheduler_kwargs!r} for {c.scheduler!r}: {exc}") from None
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Return the bytes held by the optimizer's state: the sum of ``nbytes`` of every distinct state tensor.
+
+    A tensor shared between parameters (bitsandbytes' quantization maps) counts once. Reads only tensor
+    metadata: no host-device synchronisation.
+    """
+    seen: set[tuple[str, int, int]] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                key = (str(value.device), value.data_ptr(), value.nbytes)
+                if key not in seen:
+                    seen.add(key)
+                    total += value.nbytes
+    return total
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# ------------------------------------------------------------------------------------------------- plugin
+
+
+class OptimizerSwap(torchloom.Plugin):
+    """Builds the optimizer and lr schedule by name; logs ``lr`` and ``optimizer/state_bytes``.
+
+    Args:
+        config (`OptimizerConfig`, *optional*): ready-made settings, or pass them as keywords.
+
+    Raises:
+        ConfigError: a bad setting (at construction), or at ``configure_optimizers``: ``paged_adamw8bit`` off
+            CUDA, a schedule that needs the run length when it is unknown.
+
+    Example:
+
+    .. code-block:: python
+
+        engine = torchloom.Engine(plugins={"optimizer": {"name": "adamw", "lr": 3e-4, "weight_decay": 0.01,
+                                                         "scheduler": "cosine", "warmup_ratio": 0.05}})
+    """
+
+    name = "optimizer"
+    Config = OptimizerConfig
+
+    def __init__(self, config: OptimizerConfig | None = None, **settings: Any) -> None:
+        super().__init__(config, **settings)
+        self._state_logged = False
+        self._built: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None
+
+    @torchloom.hookimpl
+    def configure_optimizers(self, model, accelerator, num_training_steps) -> Any:
+        optimizer = create_optimizer(model, self.config, accelerator.device.type)
+        self._built, self._state_logged = (model, optimizer), False
+        scheduler = create_scheduler(optimizer, self.config, num_training_steps)
+        return optimizer if scheduler is None else (optimizer, scheduler)
+
+    @torchloom.hookimpl
+    def after_optimizer_step(self, optimizer, log) -> None:
+        # Group 0's lr is a float (or, under the Adafactor proxy schedule, a 0-dim tensor): no sync here.
+        log("lr", optimizer.param_groups[0]["lr"])
+        if not self._state_logged and not getattr(optimizer, "step_was_skipped", False):
+            log("optimizer/state_bytes", float(optimizer_state_bytes(optimizer)))
+            self._state_logged = True
+
+    @torchloom.hookimpl
+    def teardown(self) -> None:
+        if self._built is not None and self.config.name in _EIGHT_BIT:
+            release_overrides(*self._built)
+        self._built = None
