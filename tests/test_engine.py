@@ -560,3 +560,50 @@ def test_several_fits_in_one_process(tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     lines = (tmp_path / "2" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines[-len(history) :]] == history
+
+
+def test_teardown_runs_when_set_up_fails(tmp_path):
+    class FailingModelHook(torchloom.Plugin):
+        name = "failing_model_hook"
+
+        @torchloom.hookimpl
+        def configure_model(self):
+            raise RuntimeError("cannot transform this model")
+
+    recorder = RecordingPlugin()
+    engine = torchloom.Engine(plugins=[recorder, FailingModelHook()], output_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="cannot transform"):
+        engine.fit(TinyTask())
+    assert recorder.calls[-1] == "teardown"
+    assert "on_fit_end" not in recorder.calls
+    assert not (tmp_path / "config.yaml").exists()
+
+
+def test_each_fit_starts_a_fresh_metrics_file(tmp_path):
+    engine = torchloom.Engine(max_epochs=1, log_every_n_steps=1, output_dir=str(tmp_path))
+    engine.fit(TinyTask())
+    first = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    engine.fit(TinyTask())
+    second = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(second) == len(first) == len(engine.history)
+    engine.validate(TinyTask())  # a standalone validation adds its record to the same file
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == len(first) + 1
+
+
+def test_list_valued_accelerator_settings_from_two_plugins_are_concatenated(tmp_path):
+    from accelerate.utils import DistributedDataParallelKwargs, GradScalerKwargs
+
+    class Handler(torchloom.Plugin):
+        def __init__(self, name, handler):
+            super().__init__()
+            self.name, self.handler = name, handler
+
+        @torchloom.hookimpl
+        def configure_accelerator(self):
+            return {"kwargs_handlers": [self.handler]}
+
+    ddp, scaler = DistributedDataParallelKwargs(bucket_cap_mb=5), GradScalerKwargs(init_scale=8.0)
+    engine = torchloom.Engine(plugins=[Handler("a", ddp), Handler("b", scaler)], output_dir=str(tmp_path))
+    engine.fit(TinyTask(n=8))
+    assert engine.accelerator.ddp_handler is ddp
+    assert engine.accelerator.scaler_handler is scaler

@@ -23,9 +23,7 @@ class DefaultTrainStep:
         self.log: Any = None
 
     @hookimpl(trylast=True)
-    def run_train_step(
-        self, task, model, optimizer, scheduler, accelerator, batch, progress
-    ) -> dict[str, Any]:
+    def run_train_step(self, task, model, optimizer, scheduler, accelerator, batch, progress) -> dict[str, Any]:
         relay = self.relay
         outputs = as_outputs(task.training_step(batch, progress.batch_idx), "training_step")
         loss = outputs["loss"]
@@ -33,9 +31,7 @@ class DefaultTrainStep:
             relay.call("before_backward", outputs=outputs, accelerator=accelerator, progress=progress)
         accelerator.backward(outputs["loss"])  # divides by gradient_accumulation_steps
         if accelerator.sync_gradients:
-            kwargs = dict(
-                model=model, optimizer=optimizer, accelerator=accelerator, progress=progress, log=self.log
-            )
+            kwargs = dict(model=model, optimizer=optimizer, accelerator=accelerator, progress=progress, log=self.log)
             if relay.implemented("before_optimizer_step"):
                 relay.call("before_optimizer_step", **kwargs)
             optimizer.step()
@@ -59,9 +55,7 @@ def as_outputs(result: Any, where: str) -> dict[str, Any]:
     outputs = dict(result) if isinstance(result, dict) else {"loss": result}
     loss = outputs.get("loss")
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"{where} must return a loss tensor or a dict with a 'loss' tensor; got {type(loss).__name__}"
-        )
+        raise TypeError(f"{where} must return a loss tensor or a dict with a 'loss' tensor; got {type(loss).__name__}")
     if loss.ndim != 0:
         raise ValueError(
             f"{where} returned a loss of shape {tuple(loss.shape)}; expected a scalar (0-dim) tensor: "
@@ -75,15 +69,16 @@ class MetricsFile:
 
     name = "torchloom.metrics_file"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], mode: str = "w") -> None:
         self.path = os.fspath(path)
+        self.mode = mode  # "w": a fit starts a fresh file; "a": validate / predict add to it
         self._file: Any = None
 
     @hookimpl
     def on_log(self, metrics: dict[str, float], progress) -> None:
         if self._file is None:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in teardown)
+            self._file = open(self.path, self.mode, encoding="utf-8")  # noqa: SIM115 (closed in teardown)
         record = {"step": progress.global_step, "epoch": progress.epoch, **metrics}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

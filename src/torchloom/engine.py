@@ -71,18 +71,14 @@ class Engine:
         logged_metrics (`dict[str, float]`): the latest value of every logged name.
     """
 
-    def __init__(
-        self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any
-    ) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any) -> None:
         if config is not None and settings:
             raise ConfigError("Engine: pass either config=EngineConfig(...) or keyword settings, not both")
         if config is None:
             known = {f.name for f in dataclasses.fields(EngineConfig)}
             unknown = sorted(set(settings) - known)
             if unknown:
-                raise ConfigError(
-                    f"unknown engine setting {unknown[0]!r}; valid settings: {', '.join(sorted(known))}"
-                )
+                raise ConfigError(f"unknown engine setting {unknown[0]!r}; valid settings: {', '.join(sorted(known))}")
             config = EngineConfig(**settings)
         self.config = config
         self.plugins = enable_plugins(plugins)
@@ -190,7 +186,7 @@ class Engine:
             try:
                 relay.call("on_fit_end", accelerator=acc, task=task, model=model, progress=self.progress)
             finally:
-                self._teardown(task, relay, acc, "fit")
+                self._teardown(relay, acc, "fit")
         return dict(self.logged_metrics)
 
     # --------------------------------------------------------------------------------- validate / predict
@@ -213,11 +209,9 @@ class Engine:
         try:
             return self._validate(task, run)
         finally:
-            self._teardown(task, run.relay, run.accelerator, "validate")
+            self._teardown(run.relay, run.accelerator, "validate")
 
-    def predict(
-        self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None
-    ) -> list[Any]:
+    def predict(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> list[Any]:
         """Run `TaskModule.predict_step` over the data; return this rank's outputs, one per batch.
 
         Raises:
@@ -225,9 +219,7 @@ class Engine:
         """
         run = self._reuse_or_setup(task, "predict", datamodule, predict_dataloader=dataloader)
         if run.val_dataloader is None:
-            raise ConfigError(
-                "predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)"
-            )
+            raise ConfigError("predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)")
         relay, acc = run.relay, run.accelerator
         predictions: list[Any] = []
         try:
@@ -240,7 +232,7 @@ class Engine:
                     predictions.append(outputs)
             relay.call("on_predict_end", predictions=predictions, accelerator=acc)
         finally:
-            self._teardown(task, relay, acc, "predict")
+            self._teardown(relay, acc, "predict")
         return predictions
 
     # ---------------------------------------------------------------------------------------- internals
@@ -255,12 +247,8 @@ class Engine:
         with torch.no_grad():
             for batch_idx, batch in enumerate(run.val_dataloader):
                 outputs = task.validation_step(batch, batch_idx)
-                relay.call(
-                    "on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p
-                )
-        relay.call(
-            "on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self._buffer.log
-        )
+                relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
+        relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self._buffer.log)
         model.train(was_training)
         return self._flush(relay, acc)
 
@@ -300,12 +288,32 @@ class Engine:
     ) -> _Run:
         cfg = self.config
         default_step = DefaultTrainStep()
-        relay = HookRelay(
-            [*self.plugins, default_step, MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl"))]
-        )
+        metrics_file = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl"), mode="w" if stage == "fit" else "a")
+        relay = HookRelay([*self.plugins, default_step, metrics_file])
         default_step.relay, default_step.log = relay, self._buffer.log
         accelerator = _build_accelerator(relay, cfg)
         self.history, self.logged_metrics = [], {}
+        try:
+            return self._prepare(
+                task, stage, datamodule, relay, accelerator, train_dataloader, val_dataloader, predict_dataloader
+            )
+        except BaseException:
+            relay.call("teardown", accelerator=accelerator, stage=stage)  # teardown always runs
+            raise
+
+    def _prepare(
+        self,
+        task: TaskModule,
+        stage: str,
+        datamodule: Any,
+        relay: HookRelay,
+        accelerator: Accelerator,
+        train_dataloader: Any,
+        val_dataloader: Any,
+        predict_dataloader: Any,
+    ) -> _Run:
+        """Data, model, optimizer and ``accelerator.prepare``; ``config.yaml`` last (nothing half-written)."""
+        cfg = self.config
         if cfg.seed is not None:
             set_seed(cfg.seed)
 
@@ -329,8 +337,7 @@ class Engine:
         model = task.configure_model()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
-                f"{type(task).__name__}.configure_model() returned {type(model).__name__}; "
-                "expected an nn.Module"
+                f"{type(task).__name__}.configure_model() returned {type(model).__name__}; expected an nn.Module"
             )
         task.model, task.accelerator, task._log_fn = model, accelerator, self._buffer.log
         relay.call("configure_model", model=model, task=task, accelerator=accelerator)
@@ -338,11 +345,14 @@ class Engine:
         optimizer = scheduler = None
         if stage == "fit":
             task.num_training_steps = _num_training_steps(cfg, train_dataloader, accelerator)
-            spec = relay.call("configure_optimizers", model=model, task=task, accelerator=accelerator,
-                              num_training_steps=task.num_training_steps)
-            optimizer, scheduler = _split_optimizers(
-                spec if spec is not None else task.configure_optimizers()
+            spec = relay.call(
+                "configure_optimizers",
+                model=model,
+                task=task,
+                accelerator=accelerator,
+                num_training_steps=task.num_training_steps,
             )
+            optimizer, scheduler = _split_optimizers(spec if spec is not None else task.configure_optimizers())
             model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
             # The scheduler is stepped by the default step once per real optimizer step, so it is not
             # prepared (Accelerate would step it num_processes times per call); it is still checkpointed.
@@ -353,9 +363,7 @@ class Engine:
         if val_dataloader is not None:
             val_dataloader = accelerator.prepare(val_dataloader)
         for plugin in self.plugins:  # stateful plugins travel with accelerator.save_state / load_state
-            if callable(getattr(plugin, "state_dict", None)) and callable(
-                getattr(plugin, "load_state_dict", None)
-            ):
+            if callable(getattr(plugin, "state_dict", None)) and callable(getattr(plugin, "load_state_dict", None)):
                 accelerator.register_for_checkpointing(plugin)
         task.model = model
         # Written last, so that a run that fails to start leaves nothing in output_dir.
@@ -364,7 +372,7 @@ class Engine:
         self._run = _Run(accelerator, relay, model, optimizer, scheduler, train_dataloader, val_dataloader)
         return self._run
 
-    def _teardown(self, task: TaskModule, relay: HookRelay, accelerator: Accelerator, stage: str) -> None:
+    def _teardown(self, relay: HookRelay, accelerator: Accelerator, stage: str) -> None:
         relay.call("teardown", accelerator=accelerator, stage=stage)
 
     def _default_run_config(self) -> dict[str, Any]:
@@ -375,18 +383,28 @@ class Engine:
 # -------------------------------------------------------------------------------------------- helpers
 
 
+#: Accelerator arguments that are lists: fragments from several plugins are concatenated, not compared.
+LIST_KWARGS = ("kwargs_handlers", "log_with")
+
+
 def _build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
-    """Merge the plugins' Accelerator settings (a clash names both plugins) and build the Accelerator."""
+    """Merge the plugins' Accelerator settings and build the Accelerator.
+
+    Two plugins giving one key different values is a `PluginError` naming both; list-valued keys
+    (`LIST_KWARGS`) are concatenated in plugin order.
+    """
     kwargs: dict[str, Any] = {}
     owners: dict[str, str] = {}
     for name, fragment in relay.call_each("configure_accelerator", config=config):
         if fragment is None:
             continue
         if not isinstance(fragment, Mapping):
-            raise PluginError(
-                f"plugin {name!r}: configure_accelerator returned {fragment!r}; expected a dict or None"
-            )
+            raise PluginError(f"plugin {name!r}: configure_accelerator returned {fragment!r}; expected a dict or None")
         for key, value in fragment.items():
+            if key in LIST_KWARGS:  # handlers and trackers from several plugins add up
+                kwargs[key] = [*kwargs.get(key, []), *value]
+                owners[key] = f"{owners[key]}, {name}" if key in owners else name
+                continue
             if key in kwargs and kwargs[key] != value:
                 raise PluginError(
                     f"plugins {owners[key]!r} and {name!r} both set Accelerator({key}=...): "
@@ -424,11 +442,7 @@ def _num_training_steps(config: EngineConfig, train_dataloader: Any, accelerator
 
 def _cpu_only_multiprocess_launch() -> bool:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return (
-        world_size > 1
-        and not torch.cuda.is_available()
-        and os.environ.get("ACCELERATE_USE_CPU", "") != "false"
-    )
+    return world_size > 1 and not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "") != "false"
 
 
 def _first(sources: list[Any], method: str) -> Any:

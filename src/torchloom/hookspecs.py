@@ -83,7 +83,8 @@ def configure_accelerator(config: EngineConfig) -> Mapping[str, Any] | None:
 
     **Returns:** a mapping such as ``{"gradient_accumulation_steps": 4}`` or
     ``{"mixed_precision": "bf16"}``. The engine merges all fragments; two plugins giving the same key
-    different values is a `PluginError` naming both plugins, the key and both values.
+    different values is a `PluginError` naming both plugins, the key and both values. The list-valued
+    ``kwargs_handlers`` and ``log_with`` are concatenated in plugin order instead.
 
     **Example:**
 
@@ -372,9 +373,7 @@ def on_train_epoch_end(accelerator: Accelerator, progress: Progress, log: LogFn)
 
 
 @hookspec
-def on_validation_start(
-    task: TaskModule, model: torch.nn.Module, accelerator: Accelerator, progress: Progress
-) -> None:
+def on_validation_start(task: TaskModule, model: torch.nn.Module, accelerator: Accelerator, progress: Progress) -> None:
     """Called before a validation pass, with the model in eval mode.
 
     **Fires:** once per validation pass (every ``val_check_interval`` optimizer steps, or at the end of
@@ -497,9 +496,7 @@ def on_exception(exception: BaseException, accelerator: Accelerator, progress: P
 
 
 @hookspec
-def on_fit_end(
-    accelerator: Accelerator, task: TaskModule, model: torch.nn.Module, progress: Progress
-) -> None:
+def on_fit_end(accelerator: Accelerator, task: TaskModule, model: torch.nn.Module, progress: Progress) -> None:
     """Called when training ends, whether it completed or raised.
 
     **Fires:** once per ``fit``, on every rank that reached it, after the last validation and log.
@@ -515,7 +512,8 @@ def on_fit_end(
 def teardown(accelerator: Accelerator, stage: str) -> None:
     """Release what the plugin holds (files, threads, contexts). Always runs, also after an exception.
 
-    **Fires:** once at the end of every ``fit`` / ``validate`` / ``predict`` call, on every rank.
+    **Fires:** once at the end of every ``fit`` / ``validate`` / ``predict`` call, on every rank; also when
+    set-up fails after the Accelerator was built (then ``on_fit_end`` does not fire).
 
     :param accelerator: the run's Accelerator.
     :param stage: ``"fit"``, ``"validate"`` or ``"predict"``.
