@@ -368,6 +368,7 @@ class OptimizerSwap(torchloom.Plugin):
     def __init__(self, config: OptimizerConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
         self._state_logged = False
+        self._lr_used: float | None = None
         self._built: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None
 
     @torchloom.hookimpl
@@ -378,9 +379,15 @@ class OptimizerSwap(torchloom.Plugin):
         return optimizer if scheduler is None else (optimizer, scheduler)
 
     @torchloom.hookimpl
+    def before_optimizer_step(self, optimizer) -> None:
+        # The lr this step is about to use (a Python float: no sync). Adafactor's relative step computes its
+        # step size inside step(), so with lr null it is read after the step instead.
+        self._lr_used = None if self.config.lr is None else optimizer.param_groups[0]["lr"]
+
+    @torchloom.hookimpl
     def after_optimizer_step(self, optimizer, log) -> None:
-        # Group 0's lr is a float (or, under the Adafactor proxy schedule, a 0-dim tensor): no sync here.
-        log("lr", optimizer.param_groups[0]["lr"])
+        # Under the Adafactor proxy schedule group 0's lr is a 0-dim tensor: logged without a sync.
+        log("lr", self._lr_used if self._lr_used is not None else optimizer.param_groups[0]["lr"])
         if not self._state_logged and not getattr(optimizer, "step_was_skipped", False):
             log("optimizer/state_bytes", float(optimizer_state_bytes(optimizer)))
             self._state_logged = True

@@ -202,7 +202,8 @@ def test_weight_decay_really_applies_only_to_group_0(tmp_path):
 
 def test_schedule_spans_the_runs_optimizer_steps(tmp_path):
     """linear with 4 warm-up steps over 2 epochs of 8 batches: the run has 16 optimizer steps, and the lr
-    logged after step k is lr * k/4 during warm-up, then lr * (16 - k) / 12, reaching 0 at the last step."""
+    logged for step k (the lr that step used) is lr * t/4 during warm-up, then lr * (16 - t) / 12, with
+    t = k - 1 the scheduler steps taken before it (transformers' schedules start warm-up at 0)."""
     engine, probe = _fit(
         {"name": "sgd", "lr": 0.1, "scheduler": "linear", "warmup_steps": 4},
         TinyTask(),
@@ -211,9 +212,10 @@ def test_schedule_spans_the_runs_optimizer_steps(tmp_path):
         max_epochs=2,
     )
     assert probe.num_training_steps == 16
-    expected = [0.1 * (k / 4 if k < 4 else (16 - k) / 12) for k in range(1, 17)]
-    assert _logged(engine, "lr") == pytest.approx(expected, abs=1e-12)
-    assert [lrs[0] for lrs in probe.group_lrs] == pytest.approx(expected, abs=1e-12)
+    used = [0.1 * (t / 4 if t < 4 else (16 - t) / 12) for t in range(16)]
+    assert _logged(engine, "lr") == pytest.approx(used, abs=1e-12)
+    after_step = [*used[1:], 0.0]  # the probe reads the group's lr after the scheduler stepped
+    assert [lrs[0] for lrs in probe.group_lrs] == pytest.approx(after_step, abs=1e-12)
 
 
 def test_warmup_ratio_uses_the_run_length(tmp_path):
@@ -224,7 +226,7 @@ def test_warmup_ratio_uses_the_run_length(tmp_path):
         tmp_path,
         max_steps=None,
     )
-    assert _logged(engine, "lr") == pytest.approx([0.1 / 3, 0.2 / 3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], abs=1e-12)
+    assert _logged(engine, "lr") == pytest.approx([0.0, 0.1 / 3, 0.2 / 3, 0.1, 0.1, 0.1, 0.1, 0.1], abs=1e-12)
 
 
 def test_num_training_steps_counts_accumulation_windows_and_max_steps(tmp_path):
@@ -252,7 +254,8 @@ def test_schedule_needing_the_length_of_an_unsized_dataloader_is_a_config_error(
     with pytest.raises(torchloom.ConfigError, match=r"scheduler 'cosine' needs the run's number of optimizer steps"):
         _fit({"name": "sgd", "scheduler": "cosine"}, StreamTask(validate=False), tmp_path, max_steps=None)
     engine, probe = _fit({"name": "sgd", "scheduler": "cosine"}, StreamTask(validate=False), tmp_path, max_steps=2)
-    assert probe.num_training_steps == 2 and _logged(engine, "lr")[-1] == pytest.approx(0.0, abs=1e-12)
+    # cosine over 2 steps: step 1 uses the full lr (1e-3), step 2 half of it: 1e-3 * (1 + cos(pi / 2)) / 2
+    assert probe.num_training_steps == 2 and _logged(engine, "lr") == pytest.approx([1e-3, 5e-4], abs=1e-12)
 
 
 def test_c15a_adafactor_relative_step_logs_the_lr_it_used(tmp_path):
