@@ -20,17 +20,11 @@ class LogBuffer:
         """Add ``value * weight`` to the running sum of ``name`` (see `TaskModule.log`)."""
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(
-                    f"log({name!r}): expected a single number, got a tensor of shape {tuple(value.shape)}"
-                )
+                raise ValueError(f"log({name!r}): expected a single number, got a tensor of shape {tuple(value.shape)}")
             value = value.detach().reshape(())
             value = value.to(torch.float64 if value.device.type != "mps" else torch.float32)
         if isinstance(weight, torch.Tensor):
-            weight = (
-                weight.detach()
-                .reshape(())
-                .to(value.dtype if isinstance(value, torch.Tensor) else torch.float64)
-            )
+            weight = weight.detach().reshape(()).to(value.dtype if isinstance(value, torch.Tensor) else torch.float64)
         self._sums[name] = self._sums.get(name, 0.0) + value * weight
         self._weights[name] = self._weights.get(name, 0.0) + weight
 

@@ -59,9 +59,7 @@ class TaskModule:
         Raises:
             NotImplementedError: the subclass did not define it.
         """
-        raise NotImplementedError(
-            f"{type(self).__name__} must define configure_model() returning an nn.Module"
-        )
+        raise NotImplementedError(f"{type(self).__name__} must define configure_model() returning an nn.Module")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, Any]:
         """Compute the loss of one micro-batch.
@@ -103,8 +101,7 @@ class TaskModule:
         optimizer step.
         """
         raise NotImplementedError(
-            f"{type(self).__name__} defines no configure_optimizers(); "
-            "define it or enable the 'optimizer' plugin"
+            f"{type(self).__name__} defines no configure_optimizers(); define it or enable the 'optimizer' plugin"
         )
 
     def train_dataloader(self) -> DataLoader | None:

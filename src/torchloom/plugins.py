@@ -121,8 +121,7 @@ def build_config(plugin_cls: type, settings: Mapping[str, Any] | None) -> Any:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"plugin {name!r}: unknown setting {key!r}{hint} "
-                f"Valid settings: {', '.join(fields) or '(none)'}"
+                f"plugin {name!r}: unknown setting {key!r}{hint} Valid settings: {', '.join(fields) or '(none)'}"
             )
         ok, coerced = _check_type(value, hints.get(key, Any))
         if not ok:
@@ -240,9 +239,7 @@ def installed_plugins() -> dict[str, list[PluginInfo]]:
         if allowed is not None and ep.name not in allowed:
             continue
         dist = ep.dist
-        info = PluginInfo(
-            ep.name, ep.value, dist.metadata["Name"] if dist else "?", dist.version if dist else "?"
-        )
+        info = PluginInfo(ep.name, ep.value, dist.metadata["Name"] if dist else "?", dist.version if dist else "?")
         registrations = found.setdefault(ep.name, [])
         if all(r.distribution != info.distribution for r in registrations):
             registrations.append(info)
@@ -267,14 +264,10 @@ def find_plugin(name: str) -> PluginInfo:
     if name not in installed:
         allowed = _allow_list()
         if allowed is not None and name in {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}:
-            raise PluginError(
-                f"plugin {name!r} is installed but not allowed by {ALLOW_ENV}={os.environ[ALLOW_ENV]!r}"
-            )
+            raise PluginError(f"plugin {name!r} is installed but not allowed by {ALLOW_ENV}={os.environ[ALLOW_ENV]!r}")
         close = difflib.get_close_matches(name, installed, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise PluginError(
-            f"unknown plugin {name!r}.{hint} Installed plugins: {', '.join(installed) or '(none)'}"
-        )
+        raise PluginError(f"unknown plugin {name!r}.{hint} Installed plugins: {', '.join(installed) or '(none)'}")
     registrations = installed[name]
     if len(registrations) > 1:
         who = " and ".join(f"{r.distribution} {r.version} ({r.value})" for r in registrations)
@@ -351,9 +344,7 @@ def _check_relations(plugins: Iterable[Any]) -> None:
                 raise PluginError(f"plugin {n!r} requires plugin {req!r}; enable it too")
         for other in getattr(p, "conflicts", ()):
             if other in seen:
-                raise PluginError(
-                    f"plugins {n!r} and {other!r} cannot be enabled together; enable one of them"
-                )
+                raise PluginError(f"plugins {n!r} and {other!r} cannot be enabled together; enable one of them")
 
 
 # ------------------------------------------------------------------------------------------- hook relay

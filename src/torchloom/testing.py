@@ -27,9 +27,7 @@ from torchloom.plugins import PluginSpec
 __all__ = ["RecordingPlugin", "TinyTask", "tiny_dataset", "tiny_fit"]
 
 
-def tiny_dataset(
-    n: int = 32, in_features: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32
-) -> TensorDataset:
+def tiny_dataset(n: int = 32, in_features: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32) -> TensorDataset:
     """A linear-regression dataset: ``x`` of shape ``(n, in_features)`` drawn from ``seed``, and
     ``y = x @ w + 0.5`` of shape ``(n, 1)`` with one fixed ``w`` (no noise: training drives the loss to 0)."""
     w = torch.randn(in_features, 1, generator=torch.Generator().manual_seed(1234), dtype=dtype)
@@ -84,9 +82,7 @@ class TinyTask(TaskModule):
     def val_dataloader(self) -> DataLoader | None:
         if not self.validate:
             return None
-        return DataLoader(
-            tiny_dataset(self.n // 2, self.in_features, 1, self.dtype), batch_size=self.batch_size
-        )
+        return DataLoader(tiny_dataset(self.n // 2, self.in_features, 1, self.dtype), batch_size=self.batch_size)
 
 
 def tiny_fit(plugins: PluginSpec = None, task: TaskModule | None = None, **settings: Any) -> Engine:

@@ -11,10 +11,12 @@ from torchloom.testing import tiny_fit
 
 out = Path(sys.argv[1])
 results = {}
-for label, names in [("all", list(PLUGIN_SETTINGS)), ("no_ckpt", [n for n in PLUGIN_SETTINGS if n != "grad_checkpoint"])]:
+RUNS = [("all", list(PLUGIN_SETTINGS)), ("no_ckpt", [n for n in PLUGIN_SETTINGS if n != "grad_checkpoint"])]
+for label, names in RUNS:
     # 64 samples, micro-batch 4, 2 ranks: 8 micro-batches per rank per epoch, GA 2 -> 4 optimizer steps per epoch.
-    engine = tiny_fit({n: PLUGIN_SETTINGS[n] for n in names}, task=ComboTask(n=64), max_epochs=2,
-                      output_dir=str(out / label))
+    engine = tiny_fit(
+        {n: PLUGIN_SETTINGS[n] for n in names}, task=ComboTask(n=64), max_epochs=2, output_dir=str(out / label)
+    )
     results[label] = {
         "params": final_parameters(engine),
         "global_step": engine.progress.global_step,

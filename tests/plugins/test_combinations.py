@@ -16,17 +16,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mp"))
 
-from combo_tasks import EXACT_NO_OPS_ON_ONE_PROCESS, PLUGIN_SETTINGS, ComboTask, final_parameters  # noqa: E402
-from torchrun_util import torchrun  # noqa: E402
+from combo_tasks import EXACT_NO_OPS_ON_ONE_PROCESS, PLUGIN_SETTINGS, ComboTask, final_parameters
 
-from torchloom.testing import tiny_fit  # noqa: E402
+from torchloom.testing import tiny_fit
+from torchrun_util import torchrun
 
 PAIRS = list(itertools.combinations(PLUGIN_SETTINGS, 2))
 
 
 def fit(names, tmp_path: Path, label: str):
-    return tiny_fit({n: PLUGIN_SETTINGS[n] for n in names}, task=ComboTask(), max_epochs=1,
-                    output_dir=str(tmp_path / label))
+    return tiny_fit(
+        {n: PLUGIN_SETTINGS[n] for n in names}, task=ComboTask(), max_epochs=1, output_dir=str(tmp_path / label)
+    )
 
 
 @pytest.mark.filterwarnings("ignore:local_sgd")
