@@ -13,7 +13,7 @@ class LogBuffer:
     """Weighted running sums of logged values, kept on device until `reduce`."""
 
     def __init__(self) -> None:
-        self._sums: dict[str, torch.Tensor] = {}
+        self._sums: dict[str, Any] = {}  # 0-dim tensors on the values' device, or floats
         self._weights: dict[str, Any] = {}
 
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:

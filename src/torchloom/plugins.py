@@ -320,8 +320,9 @@ def _instantiate(name: str | None, settings: Any) -> Any:
         if settings:
             raise ConfigError(f"plugin {name!r} is a ready-made object and takes no settings")
         return obj
-    if getattr(obj, "name", name) != name:
-        raise PluginError(f"plugin {name!r}: its class {obj.__qualname__} is named {obj.name!r}")
+    declared = getattr(obj, "name", name)
+    if declared != name:
+        raise PluginError(f"plugin {name!r}: its class {obj.__qualname__} is named {declared!r}")
     return obj(build_config(obj, settings))
 
 
