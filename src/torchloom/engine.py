@@ -6,6 +6,7 @@ plugins that contribute Accelerator settings, transform the model, or wrap ``run
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 import os
@@ -42,6 +43,7 @@ class _Run:
     scheduler: Any = None
     train_dataloader: Any = None
     val_dataloader: Any = None
+    predict_dataloader: Any = None
 
 
 class Engine:
@@ -218,7 +220,7 @@ class Engine:
             ConfigError: no prediction data.
         """
         run = self._reuse_or_setup(task, "predict", datamodule, predict_dataloader=dataloader)
-        if run.val_dataloader is None:
+        if run.predict_dataloader is None:
             raise ConfigError("predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)")
         relay, acc = run.relay, run.accelerator
         predictions: list[Any] = []
@@ -226,7 +228,7 @@ class Engine:
             run.model.eval()
             relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
             with torch.no_grad():
-                for batch_idx, batch in enumerate(run.val_dataloader):
+                for batch_idx, batch in enumerate(run.predict_dataloader):
                     outputs = task.predict_step(batch, batch_idx)
                     relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
                     predictions.append(outputs)
@@ -267,13 +269,13 @@ class Engine:
     def _reuse_or_setup(self, task: TaskModule, stage: str, datamodule: Any, **loaders: Any) -> _Run:
         run = self._run
         if run is not None and getattr(task, "model", None) is run.model and datamodule is None:
-            loader = loaders.get("val_dataloader") or loaders.get("predict_dataloader")
-            if stage == "predict":
-                loader = loader or task.predict_dataloader()
-            if loader is not None:
-                run.val_dataloader = run.accelerator.prepare(loader)
-            elif stage == "predict":
-                run.val_dataloader = None
+            if stage == "validate":
+                loader = loaders.get("val_dataloader")
+                if loader is not None:  # else: the fit's validation data
+                    run.val_dataloader = run.accelerator.prepare(loader)
+            else:
+                loader = loaders.get("predict_dataloader") or task.predict_dataloader()
+                run.predict_dataloader = run.accelerator.prepare(loader) if loader is not None else None
             return run
         return self._setup(task, stage, datamodule, **loaders)
 
@@ -332,7 +334,7 @@ class Engine:
         elif stage == "validate":
             val_dataloader = val_dataloader or _first(sources, "val_dataloader")
         else:
-            val_dataloader = predict_dataloader or _first(sources, "predict_dataloader")
+            predict_dataloader = predict_dataloader or _first(sources, "predict_dataloader")
 
         model = task.configure_model()
         if not isinstance(model, torch.nn.Module):
@@ -362,6 +364,8 @@ class Engine:
             model = accelerator.prepare(model)
         if val_dataloader is not None:
             val_dataloader = accelerator.prepare(val_dataloader)
+        if predict_dataloader is not None:
+            predict_dataloader = accelerator.prepare(predict_dataloader)
         for plugin in self.plugins:  # stateful plugins travel with accelerator.save_state / load_state
             if callable(getattr(plugin, "state_dict", None)) and callable(getattr(plugin, "load_state_dict", None)):
                 accelerator.register_for_checkpointing(plugin)
@@ -369,7 +373,9 @@ class Engine:
         # Written last, so that a run that fails to start leaves nothing in output_dir.
         if accelerator.is_main_process and stage == "fit":
             _write_run_config(cfg.output_dir, self.run_config or self._default_run_config())
-        self._run = _Run(accelerator, relay, model, optimizer, scheduler, train_dataloader, val_dataloader)
+        self._run = _Run(
+            accelerator, relay, model, optimizer, scheduler, train_dataloader, val_dataloader, predict_dataloader
+        )
         return self._run
 
     def _teardown(self, relay: HookRelay, accelerator: Accelerator, stage: str) -> None:
@@ -421,10 +427,13 @@ def _build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
     AcceleratorState._reset_state()
     GradientState._reset_state()
     try:
-        return Accelerator(**kwargs)
+        accelerator = Accelerator(**kwargs)
     except (TypeError, ValueError) as exc:
         who = ", ".join(f"{k} from {owners[k]!r}" for k in kwargs if k in owners)
         raise ConfigError(f"cannot build the Accelerator ({who or 'defaults'}): {exc}") from None
+    if accelerator.num_processes > 1:
+        _release_process_group_at_exit()
+    return accelerator
 
 
 def _num_training_steps(config: EngineConfig, train_dataloader: Any, accelerator: Accelerator) -> int | None:
@@ -438,6 +447,29 @@ def _num_training_steps(config: EngineConfig, train_dataloader: Any, accelerator
         batches = batches // n if getattr(train_dataloader, "drop_last", False) else math.ceil(batches / n)
     total = math.ceil(batches / accelerator.gradient_accumulation_steps) * config.max_epochs
     return total if config.max_steps is None else min(total, config.max_steps)
+
+
+_PROCESS_GROUP_RELEASE_REGISTERED = False
+
+
+def _release_process_group_at_exit() -> None:
+    """Destroy the default process group when the process ends (registered once, on a multi-process run).
+
+    A process that exits with its gloo / NCCL process group still alive can abort in the C++ destructors
+    ("terminate called without an active exception"), making ``torchrun`` report a failure after a
+    successful run. PyTorch asks for ``destroy_process_group()`` at the end of a program; several fits in
+    one process share the group, so this waits until the process ends.
+    """
+    global _PROCESS_GROUP_RELEASE_REGISTERED
+    if _PROCESS_GROUP_RELEASE_REGISTERED:
+        return
+    _PROCESS_GROUP_RELEASE_REGISTERED = True
+
+    def release() -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    atexit.register(release)
 
 
 def _cpu_only_multiprocess_launch() -> bool:

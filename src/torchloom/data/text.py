@@ -1,0 +1,583 @@
+"""Text preprocessing: read a table, encode labels, tokenise with batched ``Dataset.map``, pad per batch.
+
+The pieces are plain functions over `datasets.Dataset`, and `TextClassificationData` strings them together as
+a `DataModule` for any table with a text column and a label column:
+
+.. code-block:: python
+
+    data = TextClassificationData(
+        train="reviews_train.csv", validation="reviews_test.csv", tokenizer="path/to/model",
+        text_column="review", label_column="score", label_names=["other", "great"], max_length=128,
+    )
+    torchloom.Engine(max_epochs=1).fit(task, datamodule=data)
+
+The tokenised splits are saved under a key that hashes the raw data and every setting that shapes them (see
+`torchloom.data.cache`), so the second run loads them instead of tokenising again. Sequences are truncated to
+``max_length`` but not padded when stored; `transformers.DataCollatorWithPadding` pads each batch to its own
+longest sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import datasets
+import huggingface_hub
+import pandas as pd
+import tokenizers
+import torch
+import transformers
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
+
+from torchloom.data.cache import DatasetCache, cache_key, fingerprint
+from torchloom.data.module import DataModule
+from torchloom.errors import ConfigError
+
+__all__ = [
+    "TextClassificationData",
+    "encode_labels",
+    "load_tokenizer",
+    "read_table",
+    "tokenize",
+    "tokenizer_fingerprint",
+]
+
+logger = logging.getLogger(__name__)
+
+#: File suffixes `read_table` reads, and the `datasets` reader each one goes through.
+TABLE_READERS = {
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+}
+#: Files that define a tokenizer besides its vocabulary files (``tokenizer.vocab_files_names``).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+TextSource: TypeAlias = str | os.PathLike[str] | pd.DataFrame | datasets.Dataset
+
+
+# ------------------------------------------------------------------------------------------- tokenizers
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str], revision: str | None = None) -> PreTrainedTokenizerBase:
+    """Load a tokenizer with `transformers.AutoTokenizer` (the fast one where it exists).
+
+    Args:
+        name_or_path (`str` or `os.PathLike`): a local model or tokenizer directory, or a Hub repository id
+            (offline runs need it in the Hugging Face cache already).
+        revision (`str`, *optional*): the Hub revision; ignored for a local directory.
+
+    Returns:
+        `transformers.PreTrainedTokenizerBase`
+
+    Raises:
+        ConfigError: the path does not exist, the directory holds no tokenizer, or the id cannot be loaded
+            (names it and gives the reason).
+    """
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    looks_local = path.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1
+    if looks_local and not path.exists():
+        raise ConfigError(f"tokenizer path '{path}' does not exist; expected a model/tokenizer directory or a Hub id")
+    if path.is_file():
+        raise ConfigError(f"tokenizer path '{path}' is a file; expected the directory that holds tokenizer.json")
+    try:
+        return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else text, revision=revision)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        what = f"directory '{path}'" if path.is_dir() else f"tokenizer {text!r}"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"{what} is not a loadable tokenizer ({reason}); expected a directory with tokenizer.json or "
+            "vocabulary files, or a Hub id available offline"
+        ) from None
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, revision: str | None = None) -> str:
+    """Return a hash of the files that define ``tokenizer``, for a `cache_key`.
+
+    The files are the tokenizer's vocabulary files (``tokenizer.vocab_files_names``) plus ``tokenizer.json``,
+    ``tokenizer_config.json``, ``special_tokens_map.json``, ``added_tokens.json`` and chat templates, read from
+    ``tokenizer.name_or_path`` (a local directory, or the Hugging Face cache for a Hub id). The tokenizer class
+    name is included. Editing any of those files, or pointing at another tokenizer, changes the fingerprint;
+    the tokenizer's in-memory state (which changes when it is called) does not.
+
+    Args:
+        tokenizer (`transformers.PreTrainedTokenizerBase`): as returned by `load_tokenizer`.
+        revision (`str`, *optional*): the Hub revision it was loaded from.
+
+    Returns:
+        `str`: 64 lowercase hex digits.
+
+    Raises:
+        ConfigError: none of its files can be found (a tokenizer built in memory): save it with
+            ``save_pretrained`` and load it from that directory.
+    """
+    source = tokenizer.name_or_path
+    names = sorted({*_TOKENIZER_FILES, *getattr(tokenizer, "vocab_files_names", {}).values()})
+    files: dict[str, str] = {}
+    for name in names:
+        if os.path.isdir(source):
+            candidate: Any = os.path.join(source, name)
+        else:
+            candidate = huggingface_hub.try_to_load_from_cache(source, name, revision=revision)
+        if isinstance(candidate, str) and os.path.isfile(candidate):
+            files[name] = fingerprint(candidate)
+    if not files:
+        raise ConfigError(
+            f"tokenizer {source!r}: none of its files ({', '.join(names)}) were found to fingerprint; save it with "
+            "save_pretrained(directory) and load it from that directory"
+        )
+    return cache_key(tokenizer_class=type(tokenizer).__name__, files=files)
+
+
+# ------------------------------------------------------------------------------------------------ tables
+
+
+def read_table(source: TextSource, name: str = "data") -> datasets.Dataset:
+    """Return ``source`` as a `datasets.Dataset`.
+
+    Args:
+        source: a `datasets.Dataset` (returned as is), a `pandas.DataFrame`, a directory written by
+            ``save_to_disk``, or a ``.csv`` / ``.tsv`` / ``.json`` / ``.jsonl`` / ``.parquet`` file (read with
+            the matching `datasets.Dataset` reader, fully into memory, leaving no Hugging Face cache behind).
+        name (`str`, defaults to ``"data"``): what to call it in error messages, e.g. ``"train data"``.
+
+    Raises:
+        ConfigError: the path does not exist, cannot be read or parsed, or has an unsupported suffix.
+    """
+    if isinstance(source, datasets.Dataset):
+        return source
+    if isinstance(source, pd.DataFrame):
+        return datasets.Dataset.from_pandas(source, preserve_index=False)
+    if not isinstance(source, str | os.PathLike):
+        raise ConfigError(
+            f"{name}: got a {type(source).__name__}; expected a file path, a save_to_disk directory, "
+            "a pandas.DataFrame or a datasets.Dataset"
+        )
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{name} path '{path}' does not exist")
+    try:
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if not isinstance(loaded, datasets.Dataset):
+                raise ConfigError(
+                    f"{name} path '{path}' holds a DatasetDict (splits {', '.join(loaded)}); give one split's directory"
+                )
+            return loaded
+        reader = TABLE_READERS.get(path.suffix.lower())
+        if reader is None:
+            raise ConfigError(
+                f"{name} path '{path}' has an unsupported suffix {path.suffix!r}; expected one of "
+                f"{', '.join(TABLE_READERS)} or a save_to_disk directory"
+            )
+        kwargs: dict[str, Any] = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+        with tempfile.TemporaryDirectory(prefix="torchloom-read-") as scratch:
+            load = getattr(datasets.Dataset, f"from_{reader}")
+            return load(str(path), keep_in_memory=True, cache_dir=scratch, **kwargs)
+    except ConfigError:
+        raise
+    except Exception as exc:  # datasets wraps parse errors in several types (DatasetGenerationError, ArrowInvalid)
+        reason = str(exc.__cause__ or exc).strip().splitlines()
+        raise ConfigError(
+            f"{name} path '{path}' cannot be read as {path.suffix or 'a dataset directory'}: "
+            f"{reason[0] if reason else type(exc).__name__}"
+        ) from None
+
+
+def encode_labels(
+    dataset: datasets.Dataset,
+    column: str,
+    names: Sequence[str] | None = None,
+    name: str = "data",
+) -> datasets.Dataset:
+    """Encode ``column`` as a `datasets.ClassLabel` column named ``labels`` (what transformers models expect).
+
+    Args:
+        dataset (`datasets.Dataset`): the table.
+        column (`str`): the label column: strings, non-negative integers (kept as class ids), or a
+            `datasets.ClassLabel`.
+        names (`Sequence[str]`, *optional*): the class names in id order. ``None``: the sorted distinct strings of
+            the column, or ``"0" ... "<max>"`` for integers, or the column's own `ClassLabel` names.
+        name (`str`, defaults to ``"data"``): what to call the table in error messages.
+
+    Returns:
+        `datasets.Dataset`: ``column`` replaced by ``labels`` of dtype int64 with a `ClassLabel` feature.
+
+    Raises:
+        ConfigError: ``column`` is missing or has missing values, a value is not one of ``names``, or an
+            integer label is negative or out of range.
+    """
+    _require_column(dataset, column, "label_column", name)
+    feature = dataset.features[column]
+    values = dataset.unique(column)
+    if any(v is None for v in values):
+        raise ConfigError(f"{name}: label_column {column!r} has missing values; every row needs a label")
+    if isinstance(feature, datasets.ClassLabel):
+        target = list(names) if names is not None else list(feature.names)
+        if sorted(target) != sorted(feature.names):
+            raise ConfigError(f"{name}: label_names {target} do not match the classes of {column!r} ({feature.names})")
+        if target != list(feature.names):
+            dataset = dataset.align_labels_with_mapping({n: i for i, n in enumerate(target)}, column)
+    elif all(isinstance(v, str) for v in values):
+        target = list(names) if names is not None else sorted(values)
+        unknown = sorted(set(values) - set(target))
+        if unknown:
+            raise ConfigError(
+                f"{name}: label_column {column!r} has values {unknown[:5]} that are not in label_names {target}"
+            )
+        dataset = dataset.cast_column(column, datasets.ClassLabel(names=target))
+    elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        target = list(names) if names is not None else [str(i) for i in range(max(values) + 1)]
+        bad = sorted(v for v in values if not 0 <= v < len(target))
+        if bad:
+            raise ConfigError(
+                f"{name}: label_column {column!r} has integer labels {bad[:5]} outside 0..{len(target) - 1} "
+                f"(label_names {target})"
+            )
+        dataset = dataset.cast_column(column, datasets.ClassLabel(names=target))
+    else:
+        raise ConfigError(
+            f"{name}: label_column {column!r} has values of type {feature}; expected strings, non-negative "
+            "integers or a ClassLabel"
+        )
+    if column != "labels":
+        if "labels" in dataset.column_names:
+            dataset = dataset.remove_columns("labels")
+        dataset = dataset.rename_column(column, "labels")
+    return dataset
+
+
+def tokenize(
+    dataset: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    text_column: str,
+    text_pair_column: str | None = None,
+    max_length: int | None = None,
+    keep_columns: Sequence[str] = ("labels",),
+    batch_size: int = 1000,
+    name: str = "data",
+) -> datasets.Dataset:
+    """Tokenise a text column with a batched `datasets.Dataset.map`, truncating but not padding.
+
+    Args:
+        dataset (`datasets.Dataset`): the table.
+        tokenizer (`transformers.PreTrainedTokenizerBase`): applied to batches of ``batch_size`` rows.
+        text_column (`str`): the text (or first text of a pair).
+        text_pair_column (`str`, *optional*): the second text of a pair (NLI, question/passage).
+        max_length (`int`, *optional*): truncate to this many tokens, special tokens included; ``None`` uses
+            the tokenizer's ``model_max_length``.
+        keep_columns (`Sequence[str]`, defaults to ``("labels",)``): columns kept next to the model inputs;
+            every other input column is dropped. Missing ones are ignored.
+        batch_size (`int`, defaults to 1000): rows per tokenizer call.
+        name (`str`, defaults to ``"data"``): what to call the table in error messages.
+
+    Returns:
+        `datasets.Dataset`: the ``tokenizer.model_input_names`` columns (e.g. ``input_ids``, ``attention_mask``,
+        ``token_type_ids``: lists of int of length <= ``max_length``) plus ``keep_columns``, in memory.
+
+    Raises:
+        ConfigError: a text column is missing, is not a string column, or has missing values.
+    """
+    columns = [text_column] + ([text_pair_column] if text_pair_column else [])
+    for setting, column in zip(("text_column", "text_pair_column"), columns):
+        _require_column(dataset, column, setting, name)
+        feature = dataset.features[column]
+        if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            raise ConfigError(f"{name}: {setting} {column!r} has type {feature}; expected a string column")
+
+    def encode(batch: dict[str, list[Any]], indices: list[int]) -> Any:
+        texts = [batch[c] for c in columns]
+        for column, values in zip(columns, texts):
+            if None in values:
+                row = indices[values.index(None)]
+                raise ConfigError(f"{name}: text column {column!r} has a missing value in row {row}; drop or fill it")
+        return tokenizer(*texts, truncation=True, max_length=max_length)
+
+    remove = [c for c in dataset.column_names if c not in keep_columns]
+    return dataset.map(
+        encode,
+        with_indices=True,
+        batched=True,
+        batch_size=batch_size,
+        remove_columns=remove,
+        keep_in_memory=True,
+        load_from_cache_file=False,
+        # A given fingerprint spares datasets from hashing the tokenizer inside `encode` (slow, and not stable
+        # across calls); torchloom's own cache key, not this one, decides what is reused.
+        new_fingerprint=datasets.fingerprint.generate_random_fingerprint(),
+        desc=f"Tokenizing {name}",
+    )
+
+
+def _require_column(dataset: datasets.Dataset, column: str, setting: str, name: str) -> None:
+    if column not in dataset.column_names:
+        raise ConfigError(
+            f"{name}: {setting} {column!r} is not a column; the columns are {', '.join(dataset.column_names)}"
+        )
+
+
+# ------------------------------------------------------------------------------------------- DataModule
+
+
+class TextClassificationData(DataModule):
+    """Tokenised text classification data from any table with a text column and a label column.
+
+    ``prepare_data`` reads the tables, encodes the labels (`encode_labels`), tokenises (`tokenize`) and saves
+    both splits with ``save_to_disk`` in the processed-dataset cache, under a key that hashes the raw data and
+    every setting below that shapes the result; a second run with the same inputs loads them instead (the
+    ``cache_hit`` attribute says which happened). ``setup`` loads the splits (memory-mapped) and takes the
+    ``max_*_samples`` subsets; the dataloaders pad each batch with `transformers.DataCollatorWithPadding`.
+
+    Args:
+        train: the training table: a ``.csv`` / ``.tsv`` / ``.json`` / ``.jsonl`` / ``.parquet`` path, a
+            ``save_to_disk`` directory, a `pandas.DataFrame` or a `datasets.Dataset` (see `read_table`).
+        validation (*optional*): the validation table, same kinds.
+        tokenizer (`str` or `os.PathLike`): a local model/tokenizer directory or a Hub id (`load_tokenizer`).
+        text_column (`str`, defaults to ``"text"``): the text to classify.
+        text_pair_column (`str`, *optional*): a second text, for pair tasks.
+        label_column (`str`, defaults to ``"label"``): the class of each row.
+        label_names (`list[str]`, *optional*): the class names in id order (id 0 first); defaults to the
+            sorted distinct labels of ``train`` (`encode_labels`).
+        max_length (`int`, defaults to 128): truncate to this many tokens (special tokens included).
+        batch_size (`int`, defaults to 16): training batch size, per process.
+        eval_batch_size (`int`, *optional*): validation batch size, per process; defaults to ``batch_size``.
+        max_train_samples (`int`, *optional*): use a random subset of this many training rows (drawn with
+            ``seed``); the cache still holds the full split, so changing it costs nothing.
+        max_val_samples (`int`, *optional*): the same for validation.
+        shuffle (`bool`, defaults to True): reshuffle the training rows every epoch (seeded by ``seed``).
+        seed (`int`, defaults to 0): seeds the subsets and the shuffling.
+        pad_to_multiple_of (`int`, *optional*): pad each batch's length up to a multiple of this.
+        num_workers (`int`, defaults to 0): dataloader worker processes.
+        cache_dir (`str` or `os.PathLike`, *optional*): the processed-dataset cache; defaults to
+            ``$TORCHLOOM_CACHE/processed`` or ``~/.cache/torchloom/processed``.
+        tokenizer_revision (`str`, *optional*): the Hub revision of ``tokenizer``.
+
+    Attributes:
+        cache_hit (`bool` or ``None``): after ``prepare_data``: whether the splits were loaded from the cache.
+        cache_path (`pathlib.Path` or ``None``): the cache entry in use.
+        label_names (`list[str]`): after ``setup``: the class names, in id order.
+        train_dataset, val_dataset (`datasets.Dataset` or ``None``): after ``setup``: the tokenised splits.
+
+    Raises:
+        ConfigError: a bad setting (names it, its value and what is valid); and, from ``prepare_data``, a
+            missing or unreadable path, a missing column, an unknown label or a tokenizer that cannot be loaded.
+    """
+
+    def __init__(
+        self,
+        train: TextSource | None = None,
+        validation: TextSource | None = None,
+        *,
+        tokenizer: str | os.PathLike[str] | None = None,
+        text_column: str = "text",
+        text_pair_column: str | None = None,
+        label_column: str = "label",
+        label_names: list[str] | None = None,
+        max_length: int = 128,
+        batch_size: int = 16,
+        eval_batch_size: int | None = None,
+        max_train_samples: int | None = None,
+        max_val_samples: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        pad_to_multiple_of: int | None = None,
+        num_workers: int = 0,
+        cache_dir: str | os.PathLike[str] | None = None,
+        tokenizer_revision: str | None = None,
+    ) -> None:
+        cls = type(self).__name__
+        if tokenizer is None or not isinstance(tokenizer, str | os.PathLike) or not os.fspath(tokenizer):
+            raise ConfigError(f"{cls}: tokenizer={tokenizer!r}; expected a model/tokenizer directory or a Hub id")
+        for setting, value in (("text_column", text_column), ("label_column", label_column)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{cls}: {setting}={value!r}; expected a column name")
+        if text_pair_column is not None and (not isinstance(text_pair_column, str) or not text_pair_column):
+            raise ConfigError(f"{cls}: text_pair_column={text_pair_column!r}; expected a column name or None")
+        if label_names is not None:
+            if (
+                isinstance(label_names, str)
+                or not all(isinstance(n, str) for n in label_names)
+                or len(set(label_names)) != len(label_names)
+                or len(label_names) < 2
+            ):
+                raise ConfigError(f"{cls}: label_names={label_names!r}; expected a list of 2 or more distinct strings")
+            label_names = list(label_names)
+        positive = {"max_length": max_length, "batch_size": batch_size}
+        optional = {
+            "eval_batch_size": eval_batch_size,
+            "max_train_samples": max_train_samples,
+            "max_val_samples": max_val_samples,
+            "pad_to_multiple_of": pad_to_multiple_of,
+        }
+        for setting, count in [*positive.items(), *((k, v) for k, v in optional.items() if v is not None)]:
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigError(f"{cls}: {setting}={count!r}; expected a positive integer")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigError(f"{cls}: num_workers={num_workers!r}; expected an integer >= 0")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"{cls}: seed={seed!r}; expected an integer")
+        self.train, self.validation = train, validation
+        self.tokenizer_name = tokenizer
+        self.tokenizer_revision = tokenizer_revision
+        self.text_column, self.text_pair_column = text_column, text_pair_column
+        self.label_column, self.label_names_setting = label_column, label_names
+        self.max_length, self.batch_size = max_length, batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.max_train_samples, self.max_val_samples = max_train_samples, max_val_samples
+        self.shuffle, self.seed = shuffle, seed
+        self.pad_to_multiple_of, self.num_workers = pad_to_multiple_of, num_workers
+        self.cache = DatasetCache(Path(cache_dir).expanduser() if cache_dir is not None else None)
+        self.cache_hit: bool | None = None
+        self.cache_path: Path | None = None
+        self.label_names: list[str] = []
+        self.train_dataset: datasets.Dataset | None = None
+        self.val_dataset: datasets.Dataset | None = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._key: str | None = None
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.tokenizer_name, self.tokenizer_revision)
+        return self._tokenizer
+
+    def sources(self) -> dict[str, TextSource]:
+        """Return the raw tables by split (``"train"``, ``"validation"``). Override to produce them in code.
+
+        Raises:
+            ConfigError: no training table.
+        """
+        if self.train is None:
+            raise ConfigError(f"{type(self).__name__}: train=None; expected the training table (a path or a table)")
+        splits: dict[str, TextSource] = {"train": self.train}
+        if self.validation is not None:
+            splits["validation"] = self.validation
+        return splits
+
+    def cache_settings(self) -> dict[str, Any]:
+        """Return everything that determines the processed splits; its `cache_key` names the cache entry.
+
+        Raw tables enter as their `fingerprint` (file bytes or table contents); the tokenizer as its
+        `tokenizer_fingerprint`; library versions are included because tokenisation can change between them.
+        ``max_*_samples``, batch sizes and shuffling are left out: they act after the cache.
+        """
+        return {
+            "kind": "torchloom.data.text.TextClassificationData",
+            "data": {split: self._fingerprint(split, source) for split, source in self.sources().items()},
+            "suffixes": {
+                split: Path(source).suffix.lower() if isinstance(source, str | os.PathLike) else type(source).__name__
+                for split, source in self.sources().items()
+            },
+            "tokenizer": tokenizer_fingerprint(self.tokenizer, self.tokenizer_revision),
+            "text_column": self.text_column,
+            "text_pair_column": self.text_pair_column,
+            "label_column": self.label_column,
+            "label_names": self.label_names_setting,
+            "max_length": self.max_length,
+            "versions": {
+                "datasets": datasets.__version__,
+                "tokenizers": tokenizers.__version__,
+                "transformers": transformers.__version__,
+            },
+        }
+
+    def _fingerprint(self, split: str, source: TextSource) -> str:
+        if isinstance(source, str | os.PathLike) and not Path(source).expanduser().exists():
+            raise ConfigError(f"{type(self).__name__}: {split} data path '{Path(source).expanduser()}' does not exist")
+        return fingerprint(source)
+
+    def prepare_data(self) -> None:
+        """Tokenise the splits and save them to the cache, or find them already there."""
+        settings = self.cache_settings()
+        self._key = key = cache_key(**settings)
+        self.cache_path = self.cache.path(key)
+        if key in self.cache:
+            self.cache_hit = True
+            logger.info("%s: loading the processed splits from %s", type(self).__name__, self.cache_path)
+            return
+        self.cache_hit = False
+        logger.info("%s: tokenising; the result goes to %s", type(self).__name__, self.cache_path)
+        self.cache.save(key, self._build(), info={"settings": settings})
+
+    def _build(self) -> datasets.DatasetDict:
+        names = self.label_names_setting
+        processed = {}
+        for split, source in self.sources().items():  # "train" first: it fixes the label names
+            where = f"{type(self).__name__} {split} data"
+            table = encode_labels(read_table(source, where), self.label_column, names, where)
+            names = table.features["labels"].names
+            processed[split] = tokenize(
+                table, self.tokenizer, self.text_column, self.text_pair_column, self.max_length, name=where
+            )
+        return datasets.DatasetDict(processed)
+
+    def setup(self, stage: str) -> None:
+        """Load the processed splits from the cache and take the ``max_*_samples`` subsets."""
+        if self._key is None or self._key not in self.cache:
+            self.prepare_data()
+        assert self._key is not None
+        splits = self.cache.load(self._key)
+        self.cache_path = self.cache.path(self._key)
+        self.label_names = list(splits["train"].features["labels"].names)
+        self.train_dataset = self._subset(splits["train"], self.max_train_samples)
+        self.val_dataset = self._subset(splits["validation"], self.max_val_samples) if "validation" in splits else None
+
+    def _subset(self, dataset: datasets.Dataset, n: int | None) -> datasets.Dataset:
+        if n is None or n >= len(dataset):
+            return dataset
+        return dataset.shuffle(seed=self.seed, keep_in_memory=True).select(range(n), keep_in_memory=True)
+
+    @property
+    def num_labels(self) -> int:
+        """The number of classes (after ``setup``)."""
+        return len(self.label_names)
+
+    def collator(self) -> DataCollatorWithPadding:
+        """The batch collator: pads ``input_ids`` etc. to the batch's longest row; tensors of dtype int64."""
+        return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of, return_tensors="pt")
+
+    def train_dataloader(self) -> DataLoader:
+        """Batches of ``batch_size``: a dict of int64 tensors ``input_ids``, ``attention_mask`` (and
+        ``token_type_ids`` for BERT-like tokenizers) of shape ``(batch, longest)`` and ``labels`` of shape
+        ``(batch,)``."""
+        if self.train_dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.train_dataloader() called before setup()")
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            collate_fn=self.collator(),
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def val_dataloader(self) -> DataLoader | None:
+        """Batches of ``eval_batch_size`` in order, shaped as in `train_dataloader`; ``None`` without validation."""
+        if self.val_dataset is None:
+            return None
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            collate_fn=self.collator(),
+            num_workers=self.num_workers,
+        )

