@@ -38,9 +38,7 @@ def tests(session: nox.Session) -> None:
     through genuine entry-point metadata. pytest exiting with 5 (no tests collected) fails the session.
     """
     install_torchloom(session, "test")
-    fixtures = sorted(
-        d for d in glob.glob("tests/fixtures/*/") if os.path.exists(os.path.join(d, "pyproject.toml"))
-    )
+    fixtures = sorted(d for d in glob.glob("tests/fixtures/*/") if os.path.exists(os.path.join(d, "pyproject.toml")))
     if fixtures:  # built with setuptools, without build isolation (offline-friendly, fast)
         session.install("setuptools")
         session.install("--no-deps", "--no-build-isolation", *fixtures)

@@ -27,11 +27,12 @@ always called by keyword:
 ```python
 import torchloom
 
+
 class MyPlugin(torchloom.Plugin):
     name = "my_plugin"
 
     @torchloom.hookimpl
-    def on_train_epoch_end(self, progress):      # only the arguments it needs
+    def on_train_epoch_end(self, progress):  # only the arguments it needs
         print("finished epoch", progress.epoch)
 ```
 
