@@ -39,10 +39,13 @@ def tests(session: nox.Session) -> None:
     """
     install_torchloom(session, "test")
     fixtures = sorted(d for d in glob.glob("tests/fixtures/*/") if os.path.exists(os.path.join(d, "pyproject.toml")))
-    if fixtures:  # built with setuptools, without build isolation (offline-friendly, fast)
-        session.install("setuptools")
-        session.install("--no-deps", "--no-build-isolation", *fixtures)
+    # The test-only distributions and the example third-party plugin, built with setuptools without build
+    # isolation (offline-friendly, fast).
+    session.install("setuptools")
+    session.install("--no-deps", "--no-build-isolation", *fixtures, "./examples/torchloom-ema")
     session.run("pytest", *(session.posargs or ("-q",)), env=OFFLINE)
+    if not session.posargs:  # the third-party distribution's own tests, from its own directory
+        session.run("pytest", "-q", "examples/torchloom-ema/tests", env=OFFLINE)
 
 
 @nox.session(python=PYTHON)

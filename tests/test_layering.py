@@ -17,7 +17,9 @@ import torchloom
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "src" / "torchloom"
+# The example third-party distribution counts too (its module, not its tests, which use torchloom.testing).
 PLUGIN_DIRS = [ROOT / "plugins" / "torchloom_plugins", ROOT / "tests" / "fixtures"]
+PLUGIN_FILES = [ROOT / "examples" / "torchloom-ema" / "torchloom_ema.py"]
 PUBLIC = frozenset(torchloom.__all__)
 
 
@@ -105,7 +107,7 @@ def test_core_never_imports_the_builtin_plugins():
 
 
 def test_plugins_use_only_the_public_api():
-    files = [f for d in PLUGIN_DIRS for f in python_files(d)]
+    files = [f for d in PLUGIN_DIRS for f in python_files(d)] + PLUGIN_FILES
     assert ROOT / "plugins" / "torchloom_plugins" / "__init__.py" in files
     problems = [v for f in files for v in plugin_violations(f.read_text(), str(f.relative_to(ROOT)))]
     assert problems == []

@@ -22,7 +22,8 @@ Method card
 - **Optimizer state:** only parameters are averaged; momentum or Adam moments stay per process, as in
   Accelerate's implementation.
 
-Run: ``torchrun --nproc_per_node 4 -m torchloom.cli fit config.yaml`` with ``plugins: {local_sgd: {sync_every: 8}}``.
+Run: ``torchrun --nproc_per_node 4 -m torchloom.cli fit --config config.yaml`` with
+``plugins: {local_sgd: {sync_every: 8}}``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from torchloom._default_step import DefaultTrainStep, MetricsFile
 from torchloom.config import EngineConfig
 from torchloom.data.module import DataModule
 from torchloom.errors import TorchloomError
@@ -56,10 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _build_parser() -> Any:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    parser = ArgumentParser(prog="torchloom", description="Train, validate and inspect torchloom runs.")
+    parser = ArgumentParser(
+        prog="torchloom", description="Train, validate and inspect torchloom runs.", allow_abbrev=False
+    )
     subcommands = parser.add_subcommands(dest="subcommand")
     for command in RUN_COMMANDS:
-        sub = ArgumentParser(description=f"{command} a task (see 'torchloom {command} --help')")
+        sub = ArgumentParser(description=f"{command} a task (see 'torchloom {command} --help')", allow_abbrev=False)
         sub.add_argument("--config", action=ActionConfigFile, help="YAML config file (may be repeated)")
         sub.add_class_arguments(EngineConfig, "engine", help="Loop settings (torchloom.EngineConfig)")
         sub.add_subclass_arguments(TaskModule, "task", required=True, help="The task: class_path + init_args")
@@ -85,6 +88,7 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
     resolved.pop("config", None)
     objects = parser.instantiate(cfg)[command]
     engine = Engine(objects.engine, plugins=objects.plugins)
+    resolved["plugins"] = engine.resolved_plugin_settings()  # with every default filled in
     engine.run_config = resolved
     task, data = objects.task, objects.data
     if command == "fit":
@@ -158,7 +162,7 @@ def _plugin_order(path: str, as_json: bool) -> int:
     except OSError as exc:
         raise TorchloomError(f"plugins --config: cannot read {path!r}: {exc.strerror}") from None
     plugins = enable_plugins(config.get("plugins"))
-    relay = HookRelay(plugins)
+    relay = HookRelay([*plugins, DefaultTrainStep(), MetricsFile(os.devnull)])  # as the engine registers them
     order = {
         name: relay.call_order(name)
         for name in vars(hookspecs)

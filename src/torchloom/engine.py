@@ -381,9 +381,12 @@ class Engine:
     def _teardown(self, relay: HookRelay, accelerator: Accelerator, stage: str) -> None:
         relay.call("teardown", accelerator=accelerator, stage=stage)
 
+    def resolved_plugin_settings(self) -> dict[str, Any]:
+        """The enabled plugins in order, name -> every setting (defaults filled in), as written to config.yaml."""
+        return {plugin_name(p): _config_dict(getattr(p, "config", None)) for p in self.plugins}
+
     def _default_run_config(self) -> dict[str, Any]:
-        plugins = {plugin_name(p): _config_dict(getattr(p, "config", None)) for p in self.plugins}
-        return {"engine": dataclasses.asdict(self.config), "plugins": plugins}
+        return {"engine": dataclasses.asdict(self.config), "plugins": self.resolved_plugin_settings()}
 
 
 # -------------------------------------------------------------------------------------------- helpers

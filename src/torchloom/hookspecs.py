@@ -76,8 +76,8 @@ LogFn = Callable[..., None]
 def configure_accelerator(config: EngineConfig) -> Mapping[str, Any] | None:
     """Return keyword arguments for `accelerate.Accelerator`, or ``None``.
 
-    **Fires:** once per ``fit`` / ``validate`` / ``predict`` call, on every rank, before the Accelerator
-    exists and before the model is built.
+    **Fires:** once per run set-up, on every rank, before the Accelerator exists and before the model is
+    built: at every ``fit``, and at ``validate`` / ``predict`` unless they reuse the model of the last fit.
 
     :param config: the loop settings (read only).
 
@@ -100,7 +100,7 @@ def configure_accelerator(config: EngineConfig) -> Mapping[str, Any] | None:
 def configure_model(model: torch.nn.Module, task: TaskModule, accelerator: Accelerator) -> None:
     """Transform the model in place before it is prepared (wrapped for DDP / FSDP, moved to the device).
 
-    **Fires:** once per ``fit`` / ``validate`` / ``predict`` call, on every rank, after
+    **Fires:** once per run set-up (see ``configure_accelerator``), on every rank, after
     `TaskModule.configure_model` and before `accelerate.Accelerator.prepare`.
 
     :param model: the model built by the task; may be mutated in place (enable gradient checkpointing,
