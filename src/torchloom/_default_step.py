@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from torchloom.errors import TaskError
 from torchloom.hookspecs import hookimpl
 
 __all__ = ["DefaultTrainStep", "MetricsFile"]
@@ -46,18 +47,29 @@ class DefaultTrainStep:
 
 
 def as_outputs(result: Any, where: str) -> dict[str, Any]:
-    """Normalise what a step returned to a dict with a 0-dim floating ``"loss"`` tensor.
+    """Normalise what a step returned to a dict with a 0-dim floating ``"loss"`` tensor that has a gradient.
+
+    Only tensor metadata is read: no host-device sync.
 
     Raises:
-        TypeError: no loss, or a loss that is not a tensor.
-        ValueError: a loss that is not a scalar.
+        TaskError: no loss, a loss that is not a tensor, not a scalar, not floating point, or without grad.
     """
     outputs = dict(result) if isinstance(result, dict) else {"loss": result}
     loss = outputs.get("loss")
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"{where} must return a loss tensor or a dict with a 'loss' tensor; got {type(loss).__name__}")
+        keys = f" (its keys: {sorted(map(str, outputs))})" if isinstance(result, dict) else ""
+        raise TaskError(
+            f"{where} must return a loss tensor or a dict with a 'loss' tensor; got {type(loss).__name__}{keys}"
+        )
+    if not loss.is_floating_point():
+        raise TaskError(f"{where} returned a loss of dtype {loss.dtype}; expected a floating-point tensor")
+    if not loss.requires_grad:
+        raise TaskError(
+            f"{where} returned a loss that does not require grad (computed under no_grad, detached, or from "
+            "frozen parameters only); return the loss of the model's forward"
+        )
     if loss.ndim != 0:
-        raise ValueError(
+        raise TaskError(
             f"{where} returned a loss of shape {tuple(loss.shape)}; expected a scalar (0-dim) tensor: "
             "reduce it, e.g. with .mean()"
         )
@@ -69,16 +81,15 @@ class MetricsFile:
 
     name = "torchloom.metrics_file"
 
-    def __init__(self, path: str | os.PathLike[str], mode: str = "w") -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self.mode = mode  # "w": a fit starts a fresh file; "a": validate / predict add to it
-        self._file: Any = None
+        self._file: Any = None  # appends: the engine empties the file when a fit starts
 
     @hookimpl
     def on_log(self, metrics: dict[str, float], progress) -> None:
         if self._file is None:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._file = open(self.path, self.mode, encoding="utf-8")  # noqa: SIM115 (closed in teardown)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in teardown)
         record = {"step": progress.global_step, "epoch": progress.epoch, **metrics}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

@@ -18,6 +18,9 @@ class LogBuffer:
 
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
         """Add ``value * weight`` to the running sum of ``name`` (see `TaskModule.log`)."""
+        for what, x in (("value", value), ("weight", weight)):
+            if isinstance(x, bool) or not isinstance(x, torch.Tensor | int | float):
+                raise TypeError(f"log({name!r}): {what} {x!r} is a {type(x).__name__}; expected a number or a tensor")
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ValueError(f"log({name!r}): expected a single number, got a tensor of shape {tuple(value.shape)}")
@@ -27,6 +30,11 @@ class LogBuffer:
             weight = weight.detach().reshape(()).to(value.dtype if isinstance(value, torch.Tensor) else torch.float64)
         self._sums[name] = self._sums.get(name, 0.0) + value * weight
         self._weights[name] = self._weights.get(name, 0.0) + weight
+
+    def clear(self) -> None:
+        """Drop everything buffered."""
+        self._sums.clear()
+        self._weights.clear()
 
     def __bool__(self) -> bool:
         return bool(self._sums)

@@ -86,7 +86,13 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
 
     resolved = yaml.safe_load(parser.dump(cfg, skip_unset=False))[command]
     resolved.pop("config", None)
-    objects = parser.instantiate(cfg)[command]
+    try:
+        objects = parser.instantiate(cfg)[command]
+    except Exception as exc:  # jsonargparse wraps what a task's or data's __init__ raised
+        cause = _user_error_in(exc)
+        if cause is None:
+            raise
+        raise cause from None
     engine = Engine(objects.engine, plugins=objects.plugins)
     resolved["plugins"] = engine.resolved_plugin_settings()  # with every default filled in
     engine.run_config = resolved
@@ -161,6 +167,10 @@ def _plugin_order(path: str, as_json: bool) -> int:
             config = yaml.safe_load(f) or {}
     except OSError as exc:
         raise TorchloomError(f"plugins --config: cannot read {path!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise TorchloomError(f"plugins --config: {path!r} is not valid YAML: {exc}") from None
+    if not isinstance(config, dict):
+        raise TorchloomError(f"plugins --config: {path!r} holds a {type(config).__name__}; expected a mapping")
     plugins = enable_plugins(config.get("plugins"))
     relay = HookRelay([*plugins, DefaultTrainStep(), MetricsFile(os.devnull)])  # as the engine registers them
     order = {
@@ -178,6 +188,18 @@ def _plugin_order(path: str, as_json: bool) -> int:
     for name, impls in order.items():
         print(f"  {name}: {' -> '.join(impls)}")
     return 0
+
+
+def _user_error_in(exc: BaseException) -> TorchloomError | None:
+    """The `TorchloomError` at the root of an exception chain, if there is one."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, TorchloomError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _put_config_dir_on_path(argv: list[str]) -> None:

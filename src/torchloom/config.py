@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from torchloom.errors import ConfigError
@@ -43,6 +44,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ConfigError(f"engine setting 'seed': got {self.seed!r}; expected an integer or null")
+        if isinstance(self.output_dir, os.PathLike):
+            self.output_dir = os.fspath(self.output_dir)
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            raise ConfigError(f"engine setting 'output_dir': got {self.output_dir!r}; expected a directory path")
+        if not isinstance(self.save_model, bool):
+            raise ConfigError(f"engine setting 'save_model': got {self.save_model!r}; expected true or false")
         for field in ("max_epochs", "log_every_n_steps"):
             _check_positive(field, getattr(self, field))
         for field in ("max_steps", "val_check_interval"):

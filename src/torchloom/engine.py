@@ -274,7 +274,8 @@ class Engine:
                 if loader is not None:  # else: the fit's validation data
                     run.val_dataloader = run.accelerator.prepare(loader)
             else:
-                loader = loaders.get("predict_dataloader") or task.predict_dataloader()
+                loader = loaders.get("predict_dataloader")
+                loader = task.predict_dataloader() if loader is None else loader
                 run.predict_dataloader = run.accelerator.prepare(loader) if loader is not None else None
             return run
         return self._setup(task, stage, datamodule, **loaders)
@@ -290,11 +291,12 @@ class Engine:
     ) -> _Run:
         cfg = self.config
         default_step = DefaultTrainStep()
-        metrics_file = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl"), mode="w" if stage == "fit" else "a")
+        metrics_file = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl"))
         relay = HookRelay([*self.plugins, default_step, metrics_file])
         default_step.relay, default_step.log = relay, self._buffer.log
         accelerator = _build_accelerator(relay, cfg)
         self.history, self.logged_metrics = [], {}
+        self._buffer.clear()  # nothing logged by an earlier (failed) run leaks into this one
         try:
             return self._prepare(
                 task, stage, datamodule, relay, accelerator, train_dataloader, val_dataloader, predict_dataloader
@@ -325,16 +327,18 @@ class Engine:
             datamodule.setup(stage)
         sources = [s for s in (datamodule, task) if s is not None]
         if stage == "fit":
-            train_dataloader = train_dataloader or _first(sources, "train_dataloader")
+            train_dataloader = _first(sources, "train_dataloader") if train_dataloader is None else train_dataloader
             if train_dataloader is None:
                 raise ConfigError(
                     "fit: no training data (pass train_dataloader, a datamodule, or define train_dataloader)"
                 )
-            val_dataloader = val_dataloader or _first(sources, "val_dataloader")
+            val_dataloader = _first(sources, "val_dataloader") if val_dataloader is None else val_dataloader
         elif stage == "validate":
-            val_dataloader = val_dataloader or _first(sources, "val_dataloader")
+            val_dataloader = _first(sources, "val_dataloader") if val_dataloader is None else val_dataloader
         else:
-            predict_dataloader = predict_dataloader or _first(sources, "predict_dataloader")
+            predict_dataloader = (
+                _first(sources, "predict_dataloader") if predict_dataloader is None else predict_dataloader
+            )
 
         model = task.configure_model()
         if not isinstance(model, torch.nn.Module):
@@ -370,9 +374,11 @@ class Engine:
             if callable(getattr(plugin, "state_dict", None)) and callable(getattr(plugin, "load_state_dict", None)):
                 accelerator.register_for_checkpointing(plugin)
         task.model = model
-        # Written last, so that a run that fails to start leaves nothing in output_dir.
+        # Written last, so that a run that fails to start leaves nothing in output_dir; a fit starts a fresh
+        # metrics.jsonl at the same moment, so config.yaml and metrics.jsonl always belong to one run.
         if accelerator.is_main_process and stage == "fit":
             _write_run_config(cfg.output_dir, self.run_config or self._default_run_config())
+            open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
         self._run = _Run(
             accelerator, relay, model, optimizer, scheduler, train_dataloader, val_dataloader, predict_dataloader
         )

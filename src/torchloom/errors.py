@@ -6,7 +6,7 @@ code and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PluginError", "TorchloomError"]
+__all__ = ["ConfigError", "PluginError", "TaskError", "TorchloomError"]
 
 
 class TorchloomError(Exception):
@@ -19,3 +19,8 @@ class ConfigError(TorchloomError, ValueError):
 
 class PluginError(TorchloomError):
     """A plugin cannot be found, loaded, configured or combined with the other enabled plugins."""
+
+
+class TaskError(TorchloomError, TypeError, ValueError):
+    """A task's step returned something the engine cannot train on (no loss, a loss that is not a scalar
+    floating tensor with a gradient). A `TypeError` and a `ValueError` too, for code that catches those."""

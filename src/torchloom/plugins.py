@@ -292,20 +292,29 @@ def enable_plugins(spec: PluginSpec) -> list[Any]:
         PluginError: unknown or failing plugin, duplicate name, unmet ``requires`` or a ``conflicts`` pair.
         ConfigError: a bad setting.
     """
+    valid = "a mapping {name: settings} or a list of names, {name: settings} mappings and plugin objects"
     items: list[tuple[str | None, Any, Any]] = []  # (name, settings, instance)
     if spec is None:
         pass
     elif isinstance(spec, Mapping):
         items = [(str(k), v, None) for k, v in spec.items()]
     elif isinstance(spec, str):
-        raise ConfigError(f"plugins: got the string {spec!r}; expected a list of names or a mapping")
+        raise ConfigError(f"plugins: got the string {spec!r}; expected a list of names or a mapping {{name: settings}}")
+    elif not isinstance(spec, list | tuple):
+        hint = " (a set has no order)" if isinstance(spec, set | frozenset) else ""
+        raise ConfigError(f"plugins: got {spec!r}{hint}; expected {valid}")
     else:
         for entry in spec:
             if isinstance(entry, str):
                 items.append((entry, None, None))
-            elif isinstance(entry, Mapping) and len(entry) == 1:
-                ((k, v),) = entry.items()
-                items.append((str(k), v, None))
+            elif isinstance(entry, Mapping):  # [{a: {...}, b: {...}}] enables a then b
+                items.extend((str(k), v, None) for k, v in entry.items())
+            elif isinstance(entry, type):
+                raise ConfigError(
+                    f"plugins: got the class {entry.__qualname__}; pass an instance, {entry.__qualname__}(...)"
+                )
+            elif entry is None or isinstance(entry, int | float | bytes | list | tuple | set | frozenset):
+                raise ConfigError(f"plugins: entry {entry!r} is not a plugin; expected {valid}")
             else:
                 items.append((None, None, entry))
     plugins = [inst if inst is not None else _instantiate(name, settings) for name, settings, inst in items]

@@ -48,14 +48,24 @@ task = TinyTask(n=32, batch_size=4)
 engine.fit(task)
 acc = task.accelerator
 model = acc.unwrap_model(task.model)
+# An uneven validation set: 22 samples in batches of 4 over 2 ranks; the sampler repeats samples to even out
+# the last batch and TinyTask's gather_for_metrics must drop them.
+from torch.utils.data import DataLoader  # noqa: E402
+
+from torchloom.testing import tiny_dataset  # noqa: E402
+
+history = list(engine.history)  # the fit's records, before the extra validation below adds one
+on_log_calls = recorder.calls.count("on_log")
+uneven = engine.validate(task, DataLoader(tiny_dataset(22, 4, seed=5), batch_size=4))
 result = {
+    "uneven_val_loss": uneven["val/loss"],
     "rank": acc.process_index,
     "world_size": acc.num_processes,
     "distributed_type": str(acc.distributed_type),
     "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
     "global_step": engine.progress.global_step,
-    "history": engine.history,
-    "on_log_calls": recorder.calls.count("on_log"),
+    "history": history,
+    "on_log_calls": on_log_calls,
     "samples": samples.batches,
 }
 (out / f"result-{acc.process_index}.json").write_text(json.dumps(result))

@@ -381,8 +381,10 @@ class TextClassificationData(DataModule):
 
     def __init__(
         self,
-        train: TextSource | None = None,
-        validation: TextSource | None = None,
+        # Typed as paths for config files (a class in this union would make jsonargparse read a path as a
+        # config file); a DataFrame or a Dataset is accepted from Python too, see `TextSource`.
+        train: str | os.PathLike[str] | Any | None = None,
+        validation: str | os.PathLike[str] | Any | None = None,
         *,
         tokenizer: str | os.PathLike[str] | None = None,
         text_column: str = "text",
