@@ -118,3 +118,14 @@ def test_plugins_shows_call_order_for_a_config(tmp_path: Path) -> None:
     assert order["hooks"]["before_optimizer_step"].index("grad_accum") < order["hooks"]["before_optimizer_step"].index(
         "grad_clip"
     )
+
+
+def test_validate_and_predict_commands(project: Path) -> None:
+    proc = run_cli("validate", "--config", "config.yaml", cwd=project)
+    assert proc.returncode == 0, proc.stderr
+    assert "val/loss = " in proc.stdout
+    assert not (project / "run" / "config.yaml").exists()  # only fit writes the run's config
+    records = [json.loads(line) for line in (project / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 1 and records[0]["step"] == 0 and records[0]["val/loss"] > 0
+    proc = run_cli("predict", "--config", "config.yaml", "--task.init_args.n=32", cwd=project)
+    assert proc.returncode == 2 and "predict: no data" in proc.stderr  # the task defines no predict data
