@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import set_seed
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import set_seed, str_to_bool
 
 from torchloom._default_step import DefaultTrainStep, MetricsFile
 from torchloom._logbuffer import LogBuffer
@@ -203,6 +203,7 @@ class Engine:
         Raises:
             ConfigError: no validation data.
         """
+        self._buffer.clear()  # only what this validation logs
         run = self._reuse_or_setup(task, "validate", datamodule, val_dataloader=dataloader)
         if run.val_dataloader is None:
             raise ConfigError(
@@ -230,7 +231,8 @@ class Engine:
             with torch.no_grad():
                 for batch_idx, batch in enumerate(run.predict_dataloader):
                     outputs = task.predict_step(batch, batch_idx)
-                    relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
+                    if relay.implemented("on_predict_batch_end"):
+                        relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
                     predictions.append(outputs)
             relay.call("on_predict_end", predictions=predictions, accelerator=acc)
         finally:
@@ -249,7 +251,8 @@ class Engine:
         with torch.no_grad():
             for batch_idx, batch in enumerate(run.val_dataloader):
                 outputs = task.validation_step(batch, batch_idx)
-                relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
+                if relay.implemented("on_validation_batch_end"):
+                    relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
         relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self._buffer.log)
         model.train(was_training)
         return self._flush(relay, acc)
@@ -474,16 +477,19 @@ def _release_process_group_at_exit() -> None:
         return
     _PROCESS_GROUP_RELEASE_REGISTERED = True
 
-    def release() -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-    atexit.register(release)
+    atexit.register(PartialState().destroy_process_group)  # Accelerate's, with its fork-launch guard
 
 
 def _cpu_only_multiprocess_launch() -> bool:
+    """A launch of several processes (``WORLD_SIZE`` > 1) on a machine without CUDA, unless the user set
+    ``ACCELERATE_USE_CPU`` to a false value (read as Accelerate reads it)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return world_size > 1 and not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "") != "false"
+    explicit = os.environ.get("ACCELERATE_USE_CPU")
+    try:
+        opted_out = explicit is not None and not str_to_bool(explicit, to_bool=True)
+    except ValueError:  # not a boolean word: Accelerate would reject it itself
+        opted_out = False
+    return world_size > 1 and not torch.cuda.is_available() and not opted_out
 
 
 def _first(sources: list[Any], method: str) -> Any:
@@ -500,6 +506,12 @@ def _split_optimizers(spec: Any) -> tuple[torch.optim.Optimizer, Any]:
     if isinstance(spec, Mapping):
         optimizer, scheduler = spec.get("optimizer"), spec.get("lr_scheduler")
         if isinstance(scheduler, Mapping):  # Lightning's {"scheduler": ..., "interval": "step"}
+            if scheduler.get("interval", "step") != "step":
+                raise ConfigError(
+                    f"configure_optimizers: lr_scheduler interval {scheduler['interval']!r} is not supported; "
+                    "torchloom steps the scheduler once per optimizer step: use 'step' (and size the schedule "
+                    "in optimizer steps, e.g. with task.num_training_steps)"
+                )
             scheduler = scheduler.get("scheduler")
     elif isinstance(spec, tuple | list) and len(spec) == 2:
         optimizer, scheduler = spec

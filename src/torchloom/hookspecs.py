@@ -35,7 +35,7 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
         on_validation_start                   1x per validation pass
             on_validation_batch_end           1x per validation batch
         on_validation_end                     1x per validation pass
-        on_log                                after each validation pass (main process)
+        on_log                                after each validation pass that logged something (main process)
         on_train_epoch_end                    1x per epoch
     on_exception                              only if the loop raised
     on_fit_end                                1x, always
@@ -467,10 +467,10 @@ def on_predict_end(predictions: list[Any], accelerator: Accelerator) -> None:
 def on_log(metrics: dict[str, float], progress: Progress) -> None:
     """Called with reduced logged values: write them to a tracker here.
 
-    **Fires:** on the main process only, every ``log_every_n_steps`` optimizer steps, after every
-    validation pass, and once at the end of the fit for anything still buffered. Each value is the
-    weighted mean, over all ranks and over the micro-batches since the previous call, of what was
-    passed to ``log``. Only names logged since the previous call appear.
+    **Fires:** on the main process only, when something was logged since the previous call: every
+    ``log_every_n_steps`` optimizer steps, after every validation pass, and once at the end of the fit.
+    Each value is the weighted mean, over all ranks and over the micro-batches since the previous call,
+    of what was passed to ``log``. Only names logged since the previous call appear.
 
     :param metrics: name -> value (plain Python floats); do not mutate.
     :param progress: counters at the time of logging (``global_step`` counts the step just taken).

@@ -18,7 +18,6 @@ __all__ = ["OPTIMIZER_NAMES", "estimate_optimizer_memory"]
 
 #: The optimizer names the ``optimizer`` plugin and `estimate_optimizer_memory` accept.
 OPTIMIZER_NAMES = ("adamw", "adafactor", "adamw8bit", "adam8bit", "paged_adamw8bit", "sgd")
-_EIGHT_BIT = ("adamw8bit", "adam8bit", "paged_adamw8bit")
 
 # Settings of the ``optimizer`` plugin. Only ``momentum``, ``min_8bit_size`` and ``embedding_32bit`` change
 # the state size; the others are accepted so that one settings mapping serves both.

@@ -150,9 +150,9 @@ class TaskModule:
             weight (`torch.Tensor` or `float`, defaults to 1.0): e.g. the number of samples it averages.
 
         Raises:
-            RuntimeError: called outside ``Engine.fit`` / ``validate``.
+            RuntimeError: called before an engine set the task up (``fit``, ``validate`` or ``predict``).
             ValueError: ``value`` has more than one element.
         """
         if self._log_fn is None:
-            raise RuntimeError(f"{type(self).__name__}.log({name!r}) called outside Engine.fit/validate")
+            raise RuntimeError(f"{type(self).__name__}.log({name!r}) called before Engine.fit/validate/predict")
         self._log_fn(name, value, weight)

@@ -212,12 +212,8 @@ class PluginInfo:
         Raises:
             PluginError: the import failed; the message names the plugin, its distribution and why.
         """
-        module, _, attr = self.value.partition(":")
         try:
-            __import__(module)
-            obj: Any = sys.modules[module]
-            for part in attr.split(".") if attr else ():
-                obj = getattr(obj, part)
+            obj = metadata.EntryPoint(self.name, self.value, ENTRY_POINT_GROUP).load()
         except Exception as exc:
             raise PluginError(
                 f"plugin {self.name!r} (from {self.distribution} {self.version}) failed to import "
@@ -441,10 +437,6 @@ class HookRelay:
         """Names of the plugins implementing ``hook_name``, in the order they run (wrappers first)."""
         pm = self._reverse if _is_reversed(hook_name) else self._forward
         return [impl.plugin_name for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls())]
-
-    def hook_names(self, plugin: Any) -> list[str]:
-        """The hooks ``plugin`` implements, in hookspec order."""
-        return [c.name for c in self._forward.get_hookcallers(plugin) or []]
 
 
 def _raising_plugin(exc: BaseException, impls: Sequence[Any]) -> str | None:

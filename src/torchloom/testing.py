@@ -100,7 +100,8 @@ def tiny_fit(plugins: PluginSpec = None, task: TaskModule | None = None, **setti
 
 
 class RecordingPlugin:
-    """Records every hook call, in order, as ``(hook_name, progress or None)``.
+    """Records every hook call, in order, as ``(hook_name, progress)``; ``progress`` is ``None`` for hooks
+    without one, and the stage string (``"fit"``, ...) for ``teardown``.
 
     ``calls`` holds just the hook names. ``run_train_step`` is recorded by a wrapper, so the default step
     (or any other) still runs.
