@@ -46,11 +46,7 @@ Forward hooks run in the order plugins are listed; `after_*`, `*_end` and `teard
 
 def hook_names() -> list[str]:
     """Hookspec names in the order they are defined (= firing order)."""
-    return [
-        name
-        for name, obj in vars(hookspecs).items()
-        if inspect.isfunction(obj) and hasattr(obj, f"{hookspecs.PROJECT_NAME}_spec")
-    ]
+    return list(hookspecs.HOOK_NAMES)
 
 
 def signature(name: str) -> str:

@@ -154,9 +154,7 @@ def _implemented_hooks(obj: Any) -> list[str]:
     from torchloom import hookspecs
 
     marker = f"{hookspecs.PROJECT_NAME}_impl"
-    names = [n for n in dir(obj) if getattr(getattr(obj, n, None), marker, None) is not None]
-    order = [n for n in vars(hookspecs) if n in names]
-    return order
+    return [n for n in hookspecs.HOOK_NAMES if getattr(getattr(obj, n, None), marker, None) is not None]
 
 
 def _plugin_order(path: str, as_json: bool) -> int:
@@ -173,13 +171,7 @@ def _plugin_order(path: str, as_json: bool) -> int:
         raise TorchloomError(f"plugins --config: {path!r} holds a {type(config).__name__}; expected a mapping")
     plugins = enable_plugins(config.get("plugins"))
     relay = HookRelay([*plugins, DefaultTrainStep(), MetricsFile(os.devnull)])  # as the engine registers them
-    order = {
-        name: relay.call_order(name)
-        for name in vars(hookspecs)
-        if callable(getattr(hookspecs, name))
-        and hasattr(getattr(hookspecs, name), "torchloom_spec")
-        and relay.implemented(name)
-    }
+    order = {name: relay.call_order(name) for name in hookspecs.HOOK_NAMES if relay.implemented(name)}
     enabled = [plugin_name(p) for p in plugins]
     if as_json:
         print(json.dumps({"enabled": enabled, "hooks": order}, indent=2))

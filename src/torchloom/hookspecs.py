@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from torchloom.module import TaskModule
     from torchloom.progress import Progress
 
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+__all__ = ["HOOK_NAMES", "PROJECT_NAME", "hookimpl", "hookspec"]
 
 PROJECT_NAME = "torchloom"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -518,3 +518,9 @@ def teardown(accelerator: Accelerator, stage: str) -> None:
     :param accelerator: the run's Accelerator.
     :param stage: ``"fit"``, ``"validate"`` or ``"predict"``.
     """
+
+
+#: Every hook name, in the order the specs are defined above (= firing order).
+HOOK_NAMES: tuple[str, ...] = tuple(
+    name for name, obj in list(globals().items()) if callable(obj) and hasattr(obj, f"{PROJECT_NAME}_spec")
+)
