@@ -10,6 +10,7 @@ import atexit
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +183,7 @@ class Engine:
             if cfg.save_model:
                 task.save_model(os.path.join(cfg.output_dir, "model"))
         except BaseException as exc:
+            _note_run_failed()
             relay.call("on_exception", exception=exc, accelerator=acc, progress=self.progress)
             raise
         finally:
@@ -305,6 +307,7 @@ class Engine:
                 task, stage, datamodule, relay, accelerator, train_dataloader, val_dataloader, predict_dataloader
             )
         except BaseException:
+            _note_run_failed()
             relay.call("teardown", accelerator=accelerator, stage=stage)  # teardown always runs
             raise
 
@@ -462,6 +465,12 @@ def _num_training_steps(config: EngineConfig, train_dataloader: Any, accelerator
 
 
 _PROCESS_GROUP_RELEASE_REGISTERED = False
+_RUN_FAILED = False  # a fit / validate / predict raised in this process: do not wait for the others at exit
+
+
+def _note_run_failed() -> None:
+    global _RUN_FAILED
+    _RUN_FAILED = True
 
 
 def _release_process_group_at_exit() -> None:
@@ -477,7 +486,18 @@ def _release_process_group_at_exit() -> None:
         return
     _PROCESS_GROUP_RELEASE_REGISTERED = True
 
-    atexit.register(PartialState().destroy_process_group)  # Accelerate's, with its fork-launch guard
+    def release() -> None:
+        state = PartialState()
+        # sys.last_value is set by an uncaught exception; _RUN_FAILED by a run that raised, even if caught.
+        exiting_on_error = _RUN_FAILED or getattr(sys, "last_value", None) is not None
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and not exiting_on_error:
+            # Every process reaches the end before any tears its connections down; otherwise a peer still
+            # holding the group can abort (gloo: "terminate called without an active exception") when the
+            # first one closes it. Skipped after an error: the other processes may never get here.
+            torch.distributed.barrier()
+        state.destroy_process_group()  # Accelerate's, with its fork-launch guard
+
+    atexit.register(release)
 
 
 def _cpu_only_multiprocess_launch() -> bool:
