@@ -176,3 +176,20 @@ def test_a_value_logged_after_a_fit_does_not_leak_into_the_next_validation(tmp_p
     engine.fit(task)
     task.log("stale", 123.0)
     assert set(engine.validate(task)) == {"val/loss"}
+
+
+def test_metrics_jsonl_is_strict_json_with_non_finite_values(tmp_path):
+    class NanLoss(TinyTask):
+        def training_step(self, batch, batch_idx):
+            self.log("overflow", float("inf"))
+            return super().training_step(batch, batch_idx) * float("nan")
+
+    tiny_fit(task=NanLoss(validate=False), output_dir=str(tmp_path), max_epochs=1)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+
+    def strict(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    records = [json.loads(line, parse_constant=strict) for line in lines]
+    assert records[0]["train/loss"] == "NaN" and records[0]["overflow"] == "Infinity"
+    assert float(records[0]["overflow"]) == float("inf")

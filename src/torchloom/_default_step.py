@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -91,7 +92,15 @@ class MetricsFile:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in teardown)
         record = {"step": progress.global_step, "epoch": progress.epoch, **metrics}
-        self._file.write(json.dumps(record) + "\n")
+        # Strict JSON: a non-finite value (a NaN loss, an fp16 overflow's inf gradient norm) is written as the
+        # string "NaN" / "Infinity" / "-Infinity", which float() reads back.
+        record = {
+            k: v
+            if not isinstance(v, float) or math.isfinite(v)
+            else str(v).replace("inf", "Infinity").replace("nan", "NaN")
+            for k, v in record.items()
+        }
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
     @hookimpl
