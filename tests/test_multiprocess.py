@@ -117,3 +117,13 @@ def test_validation_on_an_uneven_set_counts_each_sample_once(ranks, single):
     _, results = ranks
     for r in results:
         assert r["uneven_val_loss"] == pytest.approx(single["uneven_val_loss"], rel=1e-5)
+
+
+def test_ranks_logging_different_names_get_a_clear_error_not_a_hang(tmp_path):
+    results = torchrun("core_lognames.py", tmp_path)
+    for r in results:
+        assert r["error"] == (
+            "every process must log the same names between two logging steps; "
+            "got rank 0: ['train/loss']; rank 1: ['only/rank1', 'train/loss']"
+        )
+        assert r["step"] == 2  # the first logging step

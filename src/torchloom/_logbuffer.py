@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
+
+from torchloom.errors import TaskError
 
 __all__ = ["LogBuffer"]
 
@@ -45,6 +48,13 @@ class LogBuffer:
         One collective (a sum over ranks) and one device-to-host copy, whatever the number of names.
         """
         names = sorted(self._sums)
+        if accelerator.num_processes > 1:
+            # One small object gather per logging interval turns a rank logging other names (which would make
+            # the reduction below mismatch or hang) into a clear error.
+            per_rank = gather_object([names])
+            if any(other != names for other in per_rank):
+                listing = "; ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
+                raise TaskError(f"every process must log the same names between two logging steps; got {listing}")
         if not names:
             return {}
         dtype = torch.float64 if accelerator.device.type != "mps" else torch.float32

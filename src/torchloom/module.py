@@ -142,7 +142,7 @@ class TaskModule:
         Values are summed on their device and reduced once every ``log_every_n_steps`` optimizer steps
         (and after each validation pass): what reaches ``on_log`` and ``metrics.jsonl`` is the
         ``weight``-weighted mean over the micro-batches (or validation batches) and all ranks since the
-        last reduction. Every rank must log the same names.
+        last reduction. Every rank must log the same names (checked at each reduction: a `TaskError` otherwise).
 
         Args:
             name (`str`): the metric name, e.g. ``"val/accuracy"``.
