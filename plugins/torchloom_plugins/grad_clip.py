@@ -19,21 +19,19 @@ Method card
   huggingface/accelerate issue #641 (unscale once per step under accumulation); Composer's
   ``gradient_clipping`` algorithm.
 
-Functional use, without the engine: ``clip_gradients(accelerator, model.parameters(), max_norm=1.0)``.
+Functional use, without the engine: Accelerate's own ``accelerator.clip_grad_norm_(model.parameters(), 1.0)``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 import torchloom
 
-__all__ = ["GradientClipping", "GradientClippingConfig", "clip_gradients"]
+__all__ = ["GradientClipping", "GradientClippingConfig"]
 
 
 @dataclass
@@ -58,28 +56,6 @@ class GradientClippingConfig:
             raise torchloom.ConfigError(f"setting 'norm_type' = {self.norm_type!r}; expected a number > 0 or inf")
 
 
-def clip_gradients(
-    accelerator: Any, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor | None:
-    """Unscale (fp16) and clip gradients by total norm, through `accelerate.Accelerator.clip_grad_norm_`.
-
-    Call it at most once per optimizer step, after the last backward of the step and before
-    ``optimizer.step()``: the fp16 loss scaler allows one ``unscale_`` per step.
-
-    Args:
-        accelerator (`accelerate.Accelerator`): the run's Accelerator (it owns the loss scaler).
-        parameters (`Iterable[torch.nn.Parameter]`): the prepared model's parameters.
-        max_norm (`float`): the largest allowed total norm.
-        norm_type (`float`, defaults to 2.0): the p of the p-norm (``inf`` for the max-norm).
-
-    Returns:
-        `torch.Tensor` or `None`: the 0-dim total norm before clipping, on the gradients' device (``inf`` /
-        ``nan`` when an fp16 overflow makes the scaler skip this step); ``None`` under DeepSpeed without an
-        engine, where Accelerate reports no norm.
-    """
-    return accelerator.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-
-
 class GradientClipping(torchloom.Plugin):
     """Clip the total gradient norm once per optimizer step and log it as ``grad_norm``.
 
@@ -97,6 +73,8 @@ class GradientClipping(torchloom.Plugin):
 
     @torchloom.hookimpl
     def before_optimizer_step(self, model: torch.nn.Module, accelerator, log) -> None:
-        norm = clip_gradients(accelerator, model.parameters(), self.config.max_norm, self.config.norm_type)
+        # Unscales once (fp16) and clips; the norm is inf / nan on an overflow step the scaler will skip, and
+        # None under DeepSpeed without an engine.
+        norm = accelerator.clip_grad_norm_(model.parameters(), self.config.max_norm, norm_type=self.config.norm_type)
         if norm is not None:
             log("grad_norm", norm)
