@@ -85,7 +85,7 @@ def expected_fit(
             break
     if buffered:
         calls.append("on_log")
-    calls.extend(["on_fit_end", "teardown"])
+    calls.extend(["on_train_end", "on_fit_end", "teardown"])
     return calls
 
 
@@ -144,6 +144,7 @@ def test_hook_order_literal_small_fit(tmp_path):
         *["after_optimizer_step", "on_train_batch_end", "on_log"],
         *["on_validation_start", "on_validation_batch_end", "on_validation_end", "on_log"],
         "on_train_epoch_end",
+        "on_train_end",
         "on_fit_end",
         "teardown",
     ]
@@ -319,6 +320,7 @@ REVERSED = {
     "on_validation_end",
     "on_predict_batch_end",
     "on_predict_end",
+    "on_train_end",
     "on_fit_end",
     "teardown",
 }
@@ -510,7 +512,7 @@ def test_configure_optimizers_returning_garbage_is_a_clear_error(tmp_path, garba
             return garbage
 
     out = tmp_path / "run"
-    with pytest.raises(TypeError, match=r"configure_optimizers returned .*; expected an optimizer"):
+    with pytest.raises(torchloom.TaskError, match=r"configure_optimizers\(\) returned .*; expected an optimizer"):
         fit(tmp_path, task=Garbage(), output_dir=str(out))
     assert not (out / "config.yaml").exists()
 

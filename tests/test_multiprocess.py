@@ -127,3 +127,37 @@ def test_ranks_logging_different_names_get_a_clear_error_not_a_hang(tmp_path):
             "got rank 0: ['train/loss']; rank 1: ['only/rank1', 'train/loss']"
         )
         assert r["step"] == 2  # the first logging step
+
+
+# ------------------------------------------------------------------------------------ issue 6 on 2 processes
+
+
+@pytest.fixture(scope="module")
+def safeguards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("safeguards")
+    return torchrun("safeguards_fit.py", out, nproc=2)
+
+
+def test_the_saved_model_is_the_final_model_after_local_sgds_last_average(safeguards):
+    r0, r1 = safeguards
+    assert r0["saved_equals_final"] and r1["saved_equals_final"]  # bitwise, on both ranks
+    assert r0["final_params"] == r1["final_params"]  # the final average happened before the save
+
+
+def test_a_seed_repeats_a_two_process_run_with_new_or_reused_dataloaders(safeguards):
+    for r in safeguards:
+        assert r["new_a"] == r["new_b"]  # data order and parameters, bitwise
+        assert r["reused_a"] == r["reused_b"]  # the same DataLoader objects passed again
+        assert r["reused_a"]["seen"] == r["new_a"]["seen"]
+        assert r["other_seed"]["seen"] != r["new_a"]["seen"]
+    r0, r1 = safeguards
+    assert r0["new_a"]["seen"] != r1["new_a"]["seen"]  # the ranks train on different shards
+    assert r0["new_a"]["params"] == r1["new_a"]["params"]
+
+
+def test_ranks_with_different_numbers_of_batches_stop_with_a_clear_error_not_a_hang(tmp_path):
+    results = torchrun("uneven_ranks.py", tmp_path, timeout=120)
+    for r in results:
+        assert r["error"].startswith("the processes have different numbers of training batches (rank 0: 2, rank 1: 4)")
+        assert r["trained_steps"] == 0
+    assert not (tmp_path / "run" / "model").exists()

@@ -312,8 +312,9 @@ def test_trace_hooks_prints_each_hook_with_its_plugins(monkeypatch, capsys, tmp_
     err = capsys.readouterr().err
     (fit_start,) = _trace_lines(err, "on_fit_start")
     assert "tracer_a, tracer_b" in fit_start  # the plugins that ran, in call order
-    (teardown,) = _trace_lines(err, "teardown")
-    assert "tracer_b, tracer_a" in teardown  # reversed on teardown
+    # teardown calls each plugin on its own (one failing teardown cannot skip another), in reverse order
+    teardown = [line for line in _trace_lines(err, "teardown") if line.startswith("tracer_")]
+    assert teardown == ["tracer_b", "tracer_a"]
     steps = _trace_lines(err, "run_train_step")
     assert len(steps) == 2 and all("torchloom.default_step" in line for line in steps)  # one per micro-batch
 

@@ -87,11 +87,13 @@ def test_logging_a_non_number_names_the_metric(tmp_path):
 
 
 def test_an_empty_dataloader_given_explicitly_is_used_not_replaced(tmp_path):
-    engine = torchloom.Engine(output_dir=str(tmp_path))
-    task = TinyTask()
+    # An explicit empty dataloader is the one checked (the task's own 32 samples are not used instead), and a fit
+    # without batches is an error, not an untrained model reported as a success.
+    engine = torchloom.Engine(output_dir=str(tmp_path), save_model=True)
     empty = DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1)), batch_size=4)
-    engine.fit(task, train_dataloader=empty, val_dataloader=empty)
-    assert engine.progress.global_step == 0  # the task's own 32 samples were not used instead
+    with pytest.raises(torchloom.ConfigError, match="the training dataloader has no batches"):
+        engine.fit(TinyTask(), train_dataloader=empty, val_dataloader=empty)
+    assert not (tmp_path / "model").exists()
 
 
 def test_an_iterable_dataset_without_a_length_trains(tmp_path):
@@ -184,7 +186,7 @@ def test_metrics_jsonl_is_strict_json_with_non_finite_values(tmp_path):
             self.log("overflow", float("inf"))
             return super().training_step(batch, batch_idx) * float("nan")
 
-    tiny_fit(task=NanLoss(validate=False), output_dir=str(tmp_path), max_epochs=1)
+    tiny_fit(task=NanLoss(validate=False), output_dir=str(tmp_path), max_epochs=1, nonfinite_loss="ignore")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
 
     def strict(token):

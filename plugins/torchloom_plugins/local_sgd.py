@@ -11,8 +11,9 @@ Method card
   ``step()`` counts calls and averages on every ``local_sgd_steps``-th.
 - **Hooks:** ``on_fit_start`` enters the context; ``after_optimizer_step`` calls ``step()`` (it fires once per
   optimizer step, never per micro-batch, whatever the accumulation or the number of parameter groups);
-  ``on_fit_end`` exits it (the final average; skipped after an exception, which ``on_exception`` records,
-  since another process may never reach that collective); ``teardown`` closes it if ``on_fit_end`` did not.
+  ``on_train_end`` exits it (the final average, before the engine saves the model, so the saved model is the
+  averaged one on every process); after an exception, which ``on_exception`` records, ``teardown`` leaves it
+  without that average, since another process may never reach that collective.
   ``state_dict`` / ``load_state_dict`` carry the step counter through ``accelerator.save_state`` /
   ``load_state``.
 - **Guarantees:** right after each averaging the parameters are bitwise equal on every process and are the
@@ -127,8 +128,8 @@ class LocalSGDPlugin(torchloom.Plugin):
         self._failed = True
 
     @torchloom.hookimpl
-    def on_fit_end(self) -> None:
-        self._close()
+    def on_train_end(self) -> None:
+        self._close()  # the final average: before the model is saved
 
     @torchloom.hookimpl
     def teardown(self) -> None:

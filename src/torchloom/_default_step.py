@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -16,35 +17,77 @@ __all__ = ["DefaultTrainStep", "MetricsFile"]
 
 
 class DefaultTrainStep:
-    """The default ``run_train_step``: forward, backward and, when gradients sync, the optimizer step."""
+    """The default ``run_train_step``: forward, backward and, when gradients sync, the optimizer step.
+
+    Args:
+        skip_nonfinite (`bool`, defaults to False): skip the optimizer step of a window in which any rank's
+            loss was not finite (``nonfinite_loss="skip"``): one host-device sync, and on several processes one
+            small all-reduce, per optimizer step.
+    """
 
     name = "torchloom.default_step"
 
-    def __init__(self) -> None:
+    def __init__(self, skip_nonfinite: bool = False) -> None:
         self.relay: Any = None  # set by the engine once the relay exists
         self.log: Any = None
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss in this fit
+        self.scaler_skipped_steps = 0  # optimizer steps the fp16 loss scaler skipped (an overflow) in this fit
+        self._window_nonfinite: torch.Tensor | None = None  # on the device: a non-finite loss in this window
+
+    @hookimpl
+    def on_fit_start(self) -> None:
+        self.skipped_steps, self.scaler_skipped_steps, self._window_nonfinite = 0, 0, None
 
     @hookimpl(trylast=True)
     def run_train_step(self, task, model, optimizer, scheduler, accelerator, batch, progress) -> dict[str, Any]:
         relay = self.relay
         outputs = as_outputs(task.training_step(batch, progress.batch_idx), "training_step")
         loss = outputs["loss"]
+        if self.skip_nonfinite:
+            bad = ~torch.isfinite(loss.detach())
+            self._window_nonfinite = bad if self._window_nonfinite is None else self._window_nonfinite | bad
         if relay.implemented("before_backward"):
             relay.call("before_backward", outputs=outputs, accelerator=accelerator, progress=progress)
         accelerator.backward(outputs["loss"])  # divides by gradient_accumulation_steps
-        if accelerator.sync_gradients:
+        if accelerator.sync_gradients and self.skip_nonfinite and self._skip_window(accelerator, progress):
+            optimizer.zero_grad(set_to_none=True)  # the window's gradients are dropped; nothing else moves
+        elif accelerator.sync_gradients:
             kwargs = dict(model=model, optimizer=optimizer, accelerator=accelerator, progress=progress, log=self.log)
             if relay.implemented("before_optimizer_step"):
                 relay.call("before_optimizer_step", **kwargs)
             optimizer.step()
-            # An fp16 overflow makes the loss scaler skip optimizer.step(); the schedule must not advance.
-            if scheduler is not None and not optimizer.step_was_skipped:
+            # An fp16 overflow makes the loss scaler skip optimizer.step(); the schedule must not advance. (Only
+            # with a scaler is this more than False, and then Accelerate has already synced to find out.)
+            if optimizer.step_was_skipped:
+                self.scaler_skipped_steps += 1
+            elif scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             if relay.implemented("after_optimizer_step"):
                 relay.call("after_optimizer_step", scheduler=scheduler, **kwargs)
         outputs["loss"] = loss.detach()
         return outputs
+
+    def _skip_window(self, accelerator, progress) -> bool:
+        """Whether any rank saw a non-finite loss in this window (one sync; every rank decides alike)."""
+        flag, self._window_nonfinite = self._window_nonfinite, None
+        if flag is None:
+            return False
+        flag = flag.to(torch.float32)
+        if accelerator.num_processes > 1:
+            flag = accelerator.reduce(flag, reduction="sum")
+        if not bool(flag):
+            return False
+        self.skipped_steps += 1
+        if accelerator.is_main_process:
+            warnings.warn(
+                f"nonfinite_loss='skip': skipped optimizer step {progress.global_step + 1} (epoch {progress.epoch}): "
+                f"the loss was not finite; {self.skipped_steps} step(s) skipped in this fit",
+                UserWarning,
+                stacklevel=2,
+            )
+        return True
 
 
 def as_outputs(result: Any, where: str) -> dict[str, Any]:
@@ -74,7 +117,25 @@ def as_outputs(result: Any, where: str) -> dict[str, Any]:
             f"{where} returned a loss of shape {tuple(loss.shape)}; expected a scalar (0-dim) tensor: "
             "reduce it, e.g. with .mean()"
         )
+    if "num_items" in outputs:
+        _check_num_items(outputs["num_items"], where)
     return outputs
+
+
+def _check_num_items(count: Any, where: str) -> None:
+    """A Python number must be finite and >= 0 here; a tensor must be one real number (its sign is checked on
+    the device and read at the logging interval, so that no step waits for it)."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
+            raise TaskError(
+                f"{where} returned num_items of shape {tuple(count.shape)} and dtype {count.dtype}; expected one "
+                "real number (e.g. (labels != -100).sum())"
+            )
+    elif isinstance(count, bool) or not isinstance(count, int | float) or not math.isfinite(count) or count < 0:
+        raise TaskError(
+            f"{where} returned num_items={count!r}; expected the number of items (samples, labelled tokens) its "
+            "loss is a mean over: an integer >= 0 or a 0-dim tensor"
+        )
 
 
 class MetricsFile:

@@ -9,6 +9,9 @@ from torchloom.errors import ConfigError
 
 __all__ = ["EngineConfig"]
 
+#: The values of `EngineConfig.nonfinite_loss`.
+NONFINITE_POLICIES = ("error", "skip", "ignore")
+
 
 @dataclass
 class EngineConfig:
@@ -28,6 +31,17 @@ class EngineConfig:
             plugins save (checkpoints, models) are written, by the main process only.
         save_model (`bool`, defaults to False): at the end of a fit that completed, save the trained model
             to ``<output_dir>/model`` with `TaskModule.save_model`.
+        num_sanity_val_steps (`int`, defaults to 2): before training, run ``validation_step`` on this many
+            validation batches (nothing logged, random state restored), so that a broken validation fails in
+            seconds rather than after the first epoch (Lightning's setting of the same name); 0 skips it.
+        nonfinite_loss (`str`, defaults to ``"error"``): what a NaN or infinite training loss does.
+            ``"error"``: stop with a `TaskError` naming the optimizer steps where it happened (checked on the
+            device, read at each logging interval and before the model is saved: no per-step sync), and do not
+            save the model. ``"skip"``: skip the optimizer step of any accumulation window with a non-finite
+            loss on any rank (gradients dropped, scheduler not stepped; costs one host-device sync and, on
+            several processes, one small all-reduce per optimizer step); skipped steps are logged as
+            ``train/skipped_steps``. ``"ignore"``: train on (the model may become NaN). fp16 loss-scale
+            overflows are not affected: the loss scaler skips those steps itself.
 
     Raises:
         ConfigError: if a count is not positive.
@@ -40,6 +54,8 @@ class EngineConfig:
     seed: int | None = 0
     output_dir: str = "runs/default"
     save_model: bool = False
+    num_sanity_val_steps: int = 2
+    nonfinite_loss: str = "error"
 
     def __post_init__(self) -> None:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -52,6 +68,14 @@ class EngineConfig:
             raise ConfigError(f"engine setting 'save_model': got {self.save_model!r}; expected true or false")
         for field in ("max_epochs", "log_every_n_steps"):
             _check_positive(field, getattr(self, field))
+        if self.nonfinite_loss not in NONFINITE_POLICIES:
+            raise ConfigError(
+                f"engine setting 'nonfinite_loss': got {self.nonfinite_loss!r}; expected one of "
+                f"{', '.join(map(repr, NONFINITE_POLICIES))}"
+            )
+        n = self.num_sanity_val_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"engine setting 'num_sanity_val_steps': got {n!r}; expected an integer >= 0")
         for field in ("max_steps", "val_check_interval"):
             if getattr(self, field) is not None:
                 _check_positive(field, getattr(self, field))

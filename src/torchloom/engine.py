@@ -19,18 +19,32 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
-from accelerate.utils import set_seed, str_to_bool
+from accelerate.utils import DataLoaderConfiguration, set_seed, str_to_bool
 
 from torchloom._default_step import DefaultTrainStep, MetricsFile
+from torchloom._guards import (
+    check_finite_parameters,
+    check_model,
+    check_optimizer_parameters,
+    check_same_length,
+    eval_mode,
+    nonfinite_loss_error,
+    optimizer_steps,
+    split_optimizers,
+    stop_iteration,
+)
 from torchloom._logbuffer import LogBuffer
 from torchloom.config import EngineConfig
 from torchloom.data.module import DataModule
-from torchloom.errors import ConfigError, PluginError
+from torchloom.errors import ConfigError, PluginError, TaskError
 from torchloom.module import TaskModule
 from torchloom.plugins import HookRelay, PluginSpec, enable_plugins, plugin_name
 from torchloom.progress import Progress
 
 __all__ = ["Engine"]
+
+#: Internal log name: the share of micro-batches whose tensor ``num_items`` was negative (checked at each flush).
+NEGATIVE_ITEMS = "torchloom/negative_num_items"
 
 
 @dataclass
@@ -92,6 +106,9 @@ class Engine:
         self.logged_metrics: dict[str, float] = {}
         self._buffer = LogBuffer()
         self._run: _Run | None = None
+        self._checked_step = 0  # the optimizer steps up to here were checked for a non-finite loss
+        self._scaler_skips = 0  # fp16 loss-scaler skips up to _checked_step
+        self._default_step: DefaultTrainStep | None = None
 
     @property
     def accelerator(self) -> Accelerator | None:
@@ -116,82 +133,161 @@ class Engine:
             datamodule (`DataModule`, *optional*): prepared on the main process first, then set up on all.
 
         Raises:
-            ConfigError: no training data.
+            ConfigError: no training data, a training dataloader without batches, validation data without a
+                ``validation_step``, a ``val_check_interval`` beyond the run's optimizer steps.
+            TaskError: the task returned something that cannot be trained on, the training loss became
+                non-finite (``nonfinite_loss="error"``), or the processes iterate different numbers of batches.
+            PluginError: a plugin failed, returned something invalid, or two plugins answered one set-up hook.
         """
         run = self._setup(task, "fit", datamodule, train_dataloader, val_dataloader)
-        cfg, relay, acc = self.config, run.relay, run.accelerator
-        model, optimizer, scheduler = run.model, run.optimizer, run.scheduler
-        hooks = {n: relay.implemented(n) for n in ("on_train_batch_start", "on_train_batch_end")}
-        p = self.progress = Progress()
+        relay, acc, model = run.relay, run.accelerator, run.model
+        self.progress, self._checked_step, self._scaler_skips = Progress(), 0, 0
+        error: BaseException | None = None
         try:
             relay.call(
                 "on_fit_start",
                 accelerator=acc,
                 task=task,
                 model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                progress=p,
+                optimizer=run.optimizer,
+                scheduler=run.scheduler,
+                progress=self.progress,
                 log=self._buffer.log,
             )
-            done = False
-            for epoch in range(cfg.max_epochs):
-                p = self.progress = Progress(epoch, p.global_step, 0, p.micro_step)
-                relay.call("on_train_epoch_start", accelerator=acc, progress=p)
-                model.train()
-                for batch_idx, batch in enumerate(run.train_dataloader):
-                    p = self.progress = Progress(epoch, p.global_step, batch_idx, p.micro_step)
-                    if hooks["on_train_batch_start"]:
-                        relay.call("on_train_batch_start", batch=batch, accelerator=acc, progress=p)
-                    outputs = relay.call(
-                        "run_train_step",
-                        task=task,
-                        model=model,
-                        optimizer=optimizer,
-                        scheduler=scheduler,
-                        accelerator=acc,
-                        batch=batch,
-                        progress=p,
-                    )
-                    self._buffer.log("train/loss", outputs["loss"], outputs.get("num_items", 1.0))
-                    if hooks["on_train_batch_end"]:
-                        relay.call(
-                            "on_train_batch_end",
-                            outputs=outputs,
-                            batch=batch,
-                            accelerator=acc,
-                            progress=p,
-                            log=self._buffer.log,
-                        )
-                    p = self.progress = dataclasses.replace(p, micro_step=p.micro_step + 1)
-                    if not acc.sync_gradients:
-                        continue  # inside an accumulation window: no optimizer step happened
-                    p = self.progress = dataclasses.replace(p, global_step=p.global_step + 1)
-                    if p.global_step % cfg.log_every_n_steps == 0:
-                        self._flush(relay, acc)
-                    if cfg.val_check_interval and p.global_step % cfg.val_check_interval == 0:
-                        self._validate(task, run)
-                    if cfg.max_steps is not None and p.global_step >= cfg.max_steps:
-                        done = True
-                        break
-                if cfg.val_check_interval is None:
-                    self._validate(task, run)
-                relay.call("on_train_epoch_end", accelerator=acc, progress=p, log=self._buffer.log)
-                if done:
+            self._sanity_check(task, run)
+            for epoch in range(self.config.max_epochs):
+                if self._train_epoch(task, run, epoch):
                     break
             self._flush(relay, acc)
-            if cfg.save_model:
-                task.save_model(os.path.join(cfg.output_dir, "model"))
+            relay.call(
+                "on_train_end", accelerator=acc, task=task, model=model, progress=self.progress, log=self._buffer.log
+            )
+            self._flush(relay, acc)
+            self._save_model(task, run)
+            acc.wait_for_everyone()  # no process reports success before every process has finished
         except BaseException as exc:
+            error = exc
             _note_run_failed()
-            relay.call("on_exception", exception=exc, accelerator=acc, progress=self.progress)
+            self._cleanup(relay, "on_exception", error, exception=exc, accelerator=acc, progress=self.progress)
             raise
         finally:
-            try:
-                relay.call("on_fit_end", accelerator=acc, task=task, model=model, progress=self.progress)
-            finally:
-                self._teardown(relay, acc, "fit")
+            failure = self._cleanup(
+                relay, "on_fit_end", error, accelerator=acc, task=task, model=model, progress=self.progress
+            )
+            failure = self._cleanup(relay, "teardown", failure, accelerator=acc, stage="fit")
+            if failure is not error:
+                raise failure  # a clean-up hook failed after a run that succeeded
         return dict(self.logged_metrics)
+
+    def _train_epoch(self, task: TaskModule, run: _Run, epoch: int) -> bool:
+        """Train one epoch (validating at the configured interval); return whether ``max_steps`` was reached."""
+        cfg, relay, acc, loader = self.config, run.relay, run.accelerator, run.train_dataloader
+        batch_start, batch_end = relay.implemented("on_train_batch_start"), relay.implemented("on_train_batch_end")
+        check_same_length(acc, loader, "training")
+        p = self.progress = Progress(epoch, self.progress.global_step, 0, self.progress.micro_step)
+        relay.call("on_train_epoch_start", accelerator=acc, progress=p)
+        done, batches = False, 0
+        for batch_idx, batch in enumerate(loader):
+            batches += 1
+            p = self.progress = Progress(epoch, p.global_step, batch_idx, p.micro_step)
+            if batch_start:
+                relay.call("on_train_batch_start", batch=batch, accelerator=acc, progress=p)
+            outputs = self._train_step(task, run, batch, p)
+            if batch_end:
+                relay.call(
+                    "on_train_batch_end",
+                    outputs=outputs,
+                    batch=batch,
+                    accelerator=acc,
+                    progress=p,
+                    log=self._buffer.log,
+                )
+            p = self.progress = dataclasses.replace(p, micro_step=p.micro_step + 1)
+            if not acc.sync_gradients:
+                continue  # inside an accumulation window: no optimizer step happened
+            p = self.progress = dataclasses.replace(p, global_step=p.global_step + 1)
+            if p.global_step % cfg.log_every_n_steps == 0:
+                self._flush(relay, acc)
+            if cfg.val_check_interval and p.global_step % cfg.val_check_interval == 0:
+                self._validate(task, run)
+            if cfg.max_steps is not None and p.global_step >= cfg.max_steps:
+                stop_iteration(loader)
+                done = True
+                break
+        if batches == 0:
+            raise ConfigError(f"fit: the training dataloader yielded no batches in epoch {epoch}; nothing was trained")
+        if cfg.val_check_interval is None:
+            self._validate(task, run)
+        relay.call("on_train_epoch_end", accelerator=acc, progress=p, log=self._buffer.log)
+        return done
+
+    def _train_step(self, task: TaskModule, run: _Run, batch: Any, progress: Progress) -> dict[str, Any]:
+        """One micro-batch through ``run_train_step``; buffer its loss for logging (no host-device sync)."""
+        relay = run.relay
+        outputs = relay.call(
+            "run_train_step",
+            task=task,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            accelerator=run.accelerator,
+            batch=batch,
+            progress=progress,
+        )
+        if not isinstance(outputs, dict) or "loss" not in outputs:
+            wrappers = relay.wrappers("run_train_step")
+            who = f"plugin {wrappers[0]!r}" if len(wrappers) == 1 else f"one of the plugins {wrappers}"
+            raise PluginError(
+                f"run_train_step returned {type(outputs).__name__} instead of the step's outputs (a dict with "
+                f"'loss'): {who} wraps run_train_step and must return the inner result, `return (yield)`"
+            )
+        loss, items = outputs["loss"], outputs.get("num_items", 1.0)
+        if self.config.nonfinite_loss == "skip":  # the skipped micro-batches do not count in train/loss
+            finite = torch.isfinite(loss)
+            loss, items = torch.where(finite, loss, 0.0), finite * items
+        self._buffer.log("train/loss", loss, items)
+        if isinstance(items, torch.Tensor):  # its sign is checked at the logging interval, on the device
+            self._buffer.log(NEGATIVE_ITEMS, items < 0)
+        return outputs
+
+    def _sanity_check(self, task: TaskModule, run: _Run) -> None:
+        """Run ``validation_step`` on ``num_sanity_val_steps`` batches before training: nothing logged, no hooks,
+        module modes and random state as they were (so the run trains exactly as without it)."""
+        n, loader, acc = self.config.num_sanity_val_steps, run.val_dataloader, run.accelerator
+        if n == 0 or loader is None:
+            return
+        check_same_length(acc, loader, "validation")
+        devices = [acc.device.index or 0] if acc.device.type == "cuda" else []
+        log_fn, task._log_fn = task._log_fn, LogBuffer().log  # logged values are checked, then dropped
+        try:
+            with eval_mode(run.model), torch.no_grad(), torch.random.fork_rng(devices=devices):
+                for batch_idx, batch in zip(range(n), loader):
+                    task.validation_step(batch, batch_idx)
+        finally:
+            stop_iteration(loader)
+            task._log_fn = log_fn
+
+    def _save_model(self, task: TaskModule, run: _Run) -> None:
+        """``save_model: true``: write ``<output_dir>/model``, unless the weights are not finite."""
+        if not self.config.save_model:
+            return
+        if self.config.nonfinite_loss != "ignore":
+            check_finite_parameters(run.model.parameters(), run.accelerator, "it is not saved")
+        task.save_model(os.path.join(self.config.output_dir, "model"))
+
+    def _cleanup(self, relay: HookRelay, hook_name: str, error: BaseException | None, **kwargs: Any) -> Any:
+        """Call every implementation of a clean-up hook, even after one raised; return the error in charge.
+
+        With ``error`` (the run already failed), failures are attached to it as notes and it stays the one
+        reported. Otherwise the first failure is returned (the later ones as its notes), for the caller to
+        raise once every clean-up hook has run.
+        """
+        for failure in relay.call_all(hook_name, **kwargs):
+            if error is None:
+                error = failure
+            elif hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(f"torchloom: during clean-up, hook {hook_name!r} also raised {failure!r}")
+        return error
 
     # --------------------------------------------------------------------------------- validate / predict
 
@@ -203,42 +299,56 @@ class Engine:
         Reuses the model of the last ``fit`` of the same task; otherwise builds and prepares it.
 
         Raises:
-            ConfigError: no validation data.
+            ConfigError: no validation data, or a task without ``validation_step``.
         """
         self._buffer.clear()  # only what this validation logs
         run = self._reuse_or_setup(task, "validate", datamodule, val_dataloader=dataloader)
-        if run.val_dataloader is None:
-            raise ConfigError(
-                "validate: no validation data (pass a dataloader, a datamodule, or define val_dataloader)"
-            )
+        error: BaseException | None = None
         try:
+            if run.val_dataloader is None:
+                raise ConfigError(
+                    "validate: no validation data (pass a dataloader, a datamodule, or define val_dataloader)"
+                )
+            _check_validation_step(task)
             return self._validate(task, run)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            self._teardown(run.relay, run.accelerator, "validate")
+            failure = self._cleanup(run.relay, "teardown", error, accelerator=run.accelerator, stage="validate")
+            if failure is not error:
+                raise failure
 
     def predict(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> list[Any]:
         """Run `TaskModule.predict_step` over the data; return this rank's outputs, one per batch.
+
+        The model is in eval mode during prediction; every module gets its own mode back afterwards.
 
         Raises:
             ConfigError: no prediction data.
         """
         run = self._reuse_or_setup(task, "predict", datamodule, predict_dataloader=dataloader)
-        if run.predict_dataloader is None:
-            raise ConfigError("predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)")
         relay, acc = run.relay, run.accelerator
         predictions: list[Any] = []
+        error: BaseException | None = None
         try:
-            run.model.eval()
-            relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
-            with torch.no_grad():
+            if run.predict_dataloader is None:
+                raise ConfigError("predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)")
+            with eval_mode(run.model), torch.no_grad():
+                relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
                 for batch_idx, batch in enumerate(run.predict_dataloader):
                     outputs = task.predict_step(batch, batch_idx)
                     if relay.implemented("on_predict_batch_end"):
                         relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
                     predictions.append(outputs)
-            relay.call("on_predict_end", predictions=predictions, accelerator=acc)
+                relay.call("on_predict_end", predictions=predictions, accelerator=acc)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
-            self._teardown(relay, acc, "predict")
+            failure = self._cleanup(relay, "teardown", error, accelerator=acc, stage="predict")
+            if failure is not error:
+                raise failure
         return predictions
 
     # ---------------------------------------------------------------------------------------- internals
@@ -247,28 +357,46 @@ class Engine:
         if run.val_dataloader is None:
             return {}
         relay, acc, model, p = run.relay, run.accelerator, run.model, self.progress
-        was_training = model.training
-        model.eval()
-        relay.call("on_validation_start", task=task, model=model, accelerator=acc, progress=p)
-        with torch.no_grad():
-            for batch_idx, batch in enumerate(run.val_dataloader):
-                outputs = task.validation_step(batch, batch_idx)
-                if relay.implemented("on_validation_batch_end"):
-                    relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
-        relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self._buffer.log)
-        model.train(was_training)
+        check_same_length(acc, run.val_dataloader, "validation")
+        with eval_mode(model):  # every submodule gets its own mode back (a frozen BatchNorm stays in eval)
+            relay.call("on_validation_start", task=task, model=model, accelerator=acc, progress=p)
+            with torch.no_grad():
+                for batch_idx, batch in enumerate(run.val_dataloader):
+                    outputs = task.validation_step(batch, batch_idx)
+                    if relay.implemented("on_validation_batch_end"):
+                        relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
+            relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self._buffer.log)
         return self._flush(relay, acc)
 
     def _flush(self, relay: HookRelay, accelerator: Accelerator) -> dict[str, float]:
-        """Reduce the buffered values (one sync) and send them to ``on_log`` on the main process."""
+        """Reduce the buffered values (one sync) and send them to ``on_log`` on the main process.
+
+        Then check what was trained since the previous flush: a non-finite ``train/loss`` (with
+        ``nonfinite_loss="error"``) or a negative ``num_items`` raises a `TaskError` on every rank (the values are
+        reduced over the ranks, so every rank decides alike).
+        """
         if not self._buffer:
             return {}
         metrics = self._buffer.reduce(accelerator)
+        negative_items = metrics.pop(NEGATIVE_ITEMS, 0.0)
         self.logged_metrics.update(metrics)
         p = self.progress
         self.history.append({"step": p.global_step, "epoch": p.epoch, **metrics})
         if accelerator.is_main_process:
             relay.call("on_log", metrics=metrics, progress=p)
+        first, self._checked_step = self._checked_step + 1, p.global_step
+        skips = self._default_step.scaler_skipped_steps if self._default_step is not None else 0
+        overflowed, self._scaler_skips = skips > self._scaler_skips, skips
+        if negative_items > 0:
+            raise TaskError(
+                f"training_step returned a negative num_items in {optimizer_steps(first, p.global_step)}; "
+                "num_items counts the items (samples, labelled tokens) its loss is a mean over: it must be >= 0"
+            )
+        loss = metrics.get("train/loss")
+        # Under fp16, a non-finite loss also gives non-finite gradients, which the loss scaler skips (and lowers its
+        # scale): an overflow it handles, not a failure.
+        if loss is not None and self.config.nonfinite_loss == "error" and not math.isfinite(loss) and not overflowed:
+            raise nonfinite_loss_error(loss, first, p.global_step, p.epoch)
         return metrics
 
     def _reuse_or_setup(self, task: TaskModule, stage: str, datamodule: Any, **loaders: Any) -> _Run:
@@ -295,7 +423,7 @@ class Engine:
         predict_dataloader: Any = None,
     ) -> _Run:
         cfg = self.config
-        default_step = DefaultTrainStep()
+        default_step = self._default_step = DefaultTrainStep(skip_nonfinite=cfg.nonfinite_loss == "skip")
         metrics_file = MetricsFile(os.path.join(cfg.output_dir, "metrics.jsonl"))
         relay = HookRelay([*self.plugins, default_step, metrics_file])
         default_step.relay, default_step.log = relay, self._buffer.log
@@ -306,9 +434,9 @@ class Engine:
             return self._prepare(
                 task, stage, datamodule, relay, accelerator, train_dataloader, val_dataloader, predict_dataloader
             )
-        except BaseException:
+        except BaseException as exc:
             _note_run_failed()
-            relay.call("teardown", accelerator=accelerator, stage=stage)  # teardown always runs
+            self._cleanup(relay, "teardown", exc, accelerator=accelerator, stage=stage)  # teardown always runs
             raise
 
     def _prepare(
@@ -346,25 +474,28 @@ class Engine:
                 _first(sources, "predict_dataloader") if predict_dataloader is None else predict_dataloader
             )
 
-        model = task.configure_model()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"{type(task).__name__}.configure_model() returned {type(model).__name__}; expected an nn.Module"
+        if stage == "fit" and _length(train_dataloader) == 0:
+            raise ConfigError(
+                "fit: the training dataloader has no batches (an empty dataset, or fewer samples than batch_size "
+                "with drop_last=True); nothing would be trained"
             )
+        if val_dataloader is not None:
+            _check_validation_step(task)
+        model = check_model(task.configure_model(), task)
         task.model, task.accelerator, task._log_fn = model, accelerator, self._buffer.log
         relay.call("configure_model", model=model, task=task, accelerator=accelerator)
 
         optimizer = scheduler = None
         if stage == "fit":
-            task.num_training_steps = _num_training_steps(cfg, train_dataloader, accelerator)
-            spec = relay.call(
-                "configure_optimizers",
-                model=model,
-                task=task,
-                accelerator=accelerator,
-                num_training_steps=task.num_training_steps,
-            )
-            optimizer, scheduler = _split_optimizers(spec if spec is not None else task.configure_optimizers())
+            task.num_training_steps = steps = _num_training_steps(cfg, train_dataloader, accelerator)
+            if val_dataloader is not None and cfg.val_check_interval and steps and cfg.val_check_interval > steps:
+                raise ConfigError(
+                    f"engine setting 'val_check_interval': got {cfg.val_check_interval}, but this fit takes only "
+                    f"{steps} optimizer steps, so validation would never run; use a value <= {steps}, or null to "
+                    "validate at the end of each epoch"
+                )
+            optimizer, scheduler = self._configure_optimizers(task, model, relay, accelerator)
+            check_optimizer_parameters(optimizer, model)
             model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
             # The scheduler is stepped by the default step once per real optimizer step, so it is not
             # prepared (Accelerate would step it num_processes times per call); it is still checkpointed.
@@ -390,8 +521,34 @@ class Engine:
         )
         return self._run
 
-    def _teardown(self, relay: HookRelay, accelerator: Accelerator, stage: str) -> None:
-        relay.call("teardown", accelerator=accelerator, stage=stage)
+    def _configure_optimizers(
+        self, task: TaskModule, model: torch.nn.Module, relay: HookRelay, accelerator: Accelerator
+    ) -> tuple[torch.optim.Optimizer, Any]:
+        """The optimizer and scheduler from the one plugin that answers ``configure_optimizers``, else the task.
+
+        Raises:
+            PluginError: two plugins answered (the first would silently win).
+            TaskError: the answer is not an optimizer, ``(optimizer, scheduler)`` or a dict of them.
+        """
+        answers = [
+            (name, spec)
+            for name, spec in relay.call_each(
+                "configure_optimizers",
+                model=model,
+                task=task,
+                accelerator=accelerator,
+                num_training_steps=task.num_training_steps,
+            )
+            if spec is not None
+        ]
+        if len(answers) > 1:
+            raise PluginError(
+                f"plugins {answers[0][0]!r} and {answers[1][0]!r} both answer configure_optimizers; enable one of "
+                "them (each would build the optimizer)"
+            )
+        if answers:
+            return split_optimizers(answers[0][1], f"plugin {answers[0][0]!r}: configure_optimizers")
+        return split_optimizers(task.configure_optimizers(), f"{type(task).__name__}.configure_optimizers()")
 
     def resolved_plugin_settings(self) -> dict[str, Any]:
         """The enabled plugins in order, name -> every setting (defaults filled in), as written to config.yaml."""
@@ -432,6 +589,13 @@ def _build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
                     f"{kwargs[key]!r} vs {value!r}; configure it in one plugin"
                 )
             kwargs[key], owners[key] = value, name
+    if config.seed is not None:
+        # The shuffle of every epoch is drawn from seed + epoch (Accelerate's SeedableRandomSampler, as in the HF
+        # Trainer), not from a generator that Accelerate would otherwise attach to the user's sampler and that
+        # keeps advancing: the same seed gives the same data order, also with the same DataLoader passed again.
+        kwargs.setdefault(
+            "dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed)
+        )
     if _cpu_only_multiprocess_launch():
         # Without cpu=True, Accelerate on a machine without GPUs would run every torchrun process as an
         # independent single-process job. With it, the processes form one gloo data-parallel group.
@@ -512,35 +676,27 @@ def _cpu_only_multiprocess_launch() -> bool:
     return world_size > 1 and not torch.cuda.is_available() and not opted_out
 
 
+def _length(dataloader: Any) -> int | None:
+    try:
+        return len(dataloader)
+    except TypeError:  # an iterable dataset without a length
+        return None
+
+
+def _check_validation_step(task: TaskModule) -> None:
+    if type(task).validation_step is TaskModule.validation_step:
+        raise ConfigError(
+            f"{type(task).__name__} got validation data but defines no validation_step(batch, batch_idx); define "
+            "it, or pass no validation data"
+        )
+
+
 def _first(sources: list[Any], method: str) -> Any:
     for source in sources:
         loader = getattr(source, method)()
         if loader is not None:
             return loader
     return None
-
-
-def _split_optimizers(spec: Any) -> tuple[torch.optim.Optimizer, Any]:
-    """Normalise ``configure_optimizers`` results to ``(optimizer, scheduler or None)``."""
-    optimizer, scheduler = spec, None
-    if isinstance(spec, Mapping):
-        optimizer, scheduler = spec.get("optimizer"), spec.get("lr_scheduler")
-        if isinstance(scheduler, Mapping):  # Lightning's {"scheduler": ..., "interval": "step"}
-            if scheduler.get("interval", "step") != "step":
-                raise ConfigError(
-                    f"configure_optimizers: lr_scheduler interval {scheduler['interval']!r} is not supported; "
-                    "torchloom steps the scheduler once per optimizer step: use 'step' (and size the schedule "
-                    "in optimizer steps, e.g. with task.num_training_steps)"
-                )
-            scheduler = scheduler.get("scheduler")
-    elif isinstance(spec, tuple | list) and len(spec) == 2:
-        optimizer, scheduler = spec
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"configure_optimizers returned {spec!r}; expected an optimizer, (optimizer, scheduler) or "
-            "{'optimizer': ..., 'lr_scheduler': ...}"
-        )
-    return optimizer, scheduler
 
 
 def _config_dict(config: Any) -> Any:

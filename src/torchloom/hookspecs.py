@@ -22,6 +22,7 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
     configure_model                           1x
     configure_optimizers                      1x (first non-None result wins, else the task's)
     on_fit_start                              1x
+    sanity validation                         num_sanity_val_steps batches, no hooks, nothing logged
     for epoch in range(E):
         on_train_epoch_start                  1x per epoch
         for batch in train_dataloader:        B micro-batches
@@ -37,8 +38,11 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
         on_validation_end                     1x per validation pass
         on_log                                after each validation pass that logged something (main process)
         on_train_epoch_end                    1x per epoch
-    on_exception                              only if the loop raised
-    on_fit_end                                1x, always
+    on_log                                    once more if anything is still buffered
+    on_train_end                              1x, when training completed: before the model is saved
+    (the model is saved here, with save_model: true)
+    on_exception                              only if the fit raised
+    on_fit_end                                1x, always, after the save
     teardown                                  1x, always
 """
 
@@ -483,11 +487,44 @@ def on_log(metrics: dict[str, float], progress: Progress) -> None:
 
 
 @hookspec
+def on_train_end(
+    accelerator: Accelerator, task: TaskModule, model: torch.nn.Module, progress: Progress, log: LogFn
+) -> None:
+    """Called when training completed, before the final model is saved: change the final weights here.
+
+    **Fires:** once per ``fit`` that completed (all epochs, or ``max_steps``), on every rank, after the last
+    epoch and the last ``on_log`` of training values, and before `TaskModule.save_model` (with
+    ``save_model: true``). Not after an exception (``on_exception`` fires instead). Values logged here
+    reach ``on_log`` before the save.
+
+    This is the place for work that changes the weights at the end of training, so that the saved model
+    and the model ``fit`` returns with are the same on every rank: a last LocalSGD average, swapping in an
+    EMA or SWA average. A collective here (an all-reduce) is safe: every rank reaches this hook at the same
+    optimizer step. ``on_fit_end`` fires after the save and must not change the weights.
+
+    :param accelerator: the run's Accelerator.
+    :param task: the user's task.
+    :param model: the prepared model; parameters may be modified in place.
+    :param progress: the final counters.
+    :param log: buffers a value for logging.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def on_train_end(self, model):
+            self.copy_average_to(model)  # the saved model is the averaged one
+    """
+
+
+@hookspec
 def on_exception(exception: BaseException, accelerator: Accelerator, progress: Progress) -> None:
-    """Called when the loop raised, before ``on_fit_end`` and ``teardown``; the exception is re-raised after.
+    """Called when the fit raised, before ``on_fit_end`` and ``teardown``; the exception is re-raised after.
 
     **Fires:** at most once per ``fit``, on the ranks where the exception happened (also for
-    ``KeyboardInterrupt``).
+    ``KeyboardInterrupt``, and for the error the engine raises on a non-finite loss). Every implementation
+    runs even if another raises; their errors are attached as notes to the original exception.
 
     :param exception: the exception (read only).
     :param accelerator: the run's Accelerator.
@@ -497,9 +534,11 @@ def on_exception(exception: BaseException, accelerator: Accelerator, progress: P
 
 @hookspec
 def on_fit_end(accelerator: Accelerator, task: TaskModule, model: torch.nn.Module, progress: Progress) -> None:
-    """Called when training ends, whether it completed or raised.
+    """Called when the fit ends, whether it completed or raised: after the model was saved.
 
-    **Fires:** once per ``fit``, on every rank that reached it, after the last validation and log.
+    **Fires:** once per ``fit``, on every rank that reached it, after ``on_train_end`` and the save (or
+    after ``on_exception``). Every implementation runs even if another raises. Do not change the weights
+    here: they have been saved already (use ``on_train_end``).
 
     :param accelerator: the run's Accelerator.
     :param task: the user's task.
@@ -513,7 +552,9 @@ def teardown(accelerator: Accelerator, stage: str) -> None:
     """Release what the plugin holds (files, threads, contexts). Always runs, also after an exception.
 
     **Fires:** once at the end of every ``fit`` / ``validate`` / ``predict`` call, on every rank; also when
-    set-up fails after the Accelerator was built (then ``on_fit_end`` does not fire).
+    set-up fails after the Accelerator was built (then ``on_fit_end`` does not fire). Every plugin's
+    ``teardown`` runs even if another's raises: the error reported is the first one (the original error of
+    the run, if it failed), and the later ones are attached to it as notes.
 
     :param accelerator: the run's Accelerator.
     :param stage: ``"fit"``, ``"validate"`` or ``"predict"``.

@@ -425,13 +425,49 @@ class HookRelay:
     def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call a (set-up time) hook once per implementing plugin; return ``(plugin name, result)`` pairs
         in call order, so that results can be attributed (e.g. in a clash between two plugins)."""
+        firstresult = bool(getattr(self._forward.hook, hook_name).spec.opts.get("firstresult"))
         results = []
-        for impl in reversed(getattr(self._forward.hook, hook_name).get_hookimpls()):
-            others = [p for p in self.plugins if p is not impl.plugin]
-            caller = self._forward.subset_hook_caller(hook_name, remove_plugins=others)
-            result = caller(**kwargs)
-            results.append((impl.plugin_name, result[0] if result else None))
+        for name, caller in self._callers(hook_name):
+            result = self._call_one(caller, hook_name, name, kwargs)
+            results.append((name, result if firstresult else (result[0] if result else None)))
         return results
+
+    def call_all(self, hook_name: str, **kwargs: Any) -> list[Exception]:
+        """Call every implementation of a (clean-up) hook in the documented order, even when some raise.
+
+        Returns:
+            The exceptions raised, in call order, each with a note naming the plugin and the hook.
+        """
+        failures = []
+        for name, caller in self._callers(hook_name):
+            try:
+                self._call_one(caller, hook_name, name, kwargs)
+            except Exception as exc:
+                failures.append(exc)
+        return failures
+
+    def wrappers(self, hook_name: str) -> list[str]:
+        """Names of the plugins that wrap ``hook_name`` (``wrapper=True``), outermost first."""
+        impls = reversed(getattr(self._forward.hook, hook_name).get_hookimpls())
+        return [impl.plugin_name for impl in impls if impl.wrapper or impl.hookwrapper]
+
+    def _callers(self, hook_name: str) -> list[tuple[str, Any]]:
+        """``(plugin name, caller of that plugin's implementation alone)`` in the order the hook runs them."""
+        pm = self._reverse if _is_reversed(hook_name) else self._forward
+        callers = []
+        for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
+            others = [p for p in self.plugins if p is not impl.plugin]
+            callers.append((impl.plugin_name, pm.subset_hook_caller(hook_name, remove_plugins=others)))
+        return callers
+
+    @staticmethod
+    def _call_one(caller: Any, hook_name: str, plugin: str, kwargs: Mapping[str, Any]) -> Any:
+        try:
+            return caller(**kwargs)
+        except Exception as exc:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"torchloom: raised in hook {hook_name!r} of plugin {plugin!r}")
+            raise
 
     def call_order(self, hook_name: str) -> list[str]:
         """Names of the plugins implementing ``hook_name``, in the order they run (wrappers first)."""

@@ -197,6 +197,10 @@ class RecordingPlugin:
         self._record("on_log", progress)
 
     @hookimpl
+    def on_train_end(self, progress) -> None:
+        self._record("on_train_end", progress)
+
+    @hookimpl
     def on_exception(self, progress) -> None:
         self._record("on_exception", progress)
 

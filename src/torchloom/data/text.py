@@ -360,8 +360,10 @@ class TextClassificationData(DataModule):
         max_train_samples (`int`, *optional*): use a random subset of this many training rows (drawn with
             ``seed``); the cache still holds the full split, so changing it costs nothing.
         max_val_samples (`int`, *optional*): the same for validation.
-        shuffle (`bool`, defaults to True): reshuffle the training rows every epoch (seeded by ``seed``).
-        seed (`int`, defaults to 0): seeds the subsets and the shuffling.
+        shuffle (`bool`, defaults to True): reshuffle the training rows every epoch. Under `torchloom.Engine`
+            the order of epoch ``e`` is drawn from the engine's ``seed + e`` (Accelerate's seedable sampler), so
+            the same engine seed repeats it; ``seed`` below seeds it when the dataloader is used on its own.
+        seed (`int`, defaults to 0): seeds the subsets (and the shuffling outside an engine).
         pad_to_multiple_of (`int`, *optional*): pad each batch's length up to a multiple of this.
         num_workers (`int`, defaults to 0): dataloader worker processes.
         cache_dir (`str` or `os.PathLike`, *optional*): the processed-dataset cache; defaults to

@@ -1,0 +1,227 @@
+"""Checks that turn a run that would go silently wrong into one clear error (or keep user state intact).
+
+Each function guards one thing: module train/eval modes, what ``configure_model`` / ``configure_optimizers``
+return, whether the ranks iterate the same number of batches, and whether the trained weights are finite.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from torchloom.errors import ConfigError, TaskError
+
+__all__ = [
+    "check_finite_parameters",
+    "check_model",
+    "check_optimizer_parameters",
+    "check_same_length",
+    "eval_mode",
+    "nonfinite_loss_error",
+    "optimizer_steps",
+    "split_optimizers",
+    "stop_iteration",
+]
+
+
+# ------------------------------------------------------------------------------------------ module modes
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Put ``model`` in eval mode, then give every submodule back exactly the mode it had.
+
+    ``model.train()`` after an evaluation would also switch on a submodule the user froze with ``.eval()``
+    (a frozen BatchNorm would update its running statistics again): the mode of each module is recorded
+    before and restored after, one by one, as Lightning's ``_ModuleMode`` does.
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def stop_iteration(dataloader: Any) -> None:
+    """Tell an Accelerate dataloader that an iteration left early (``max_steps``, a sanity pass) is over.
+
+    `accelerate.data_loader.DataLoaderShard` registers itself with the `accelerate.state.GradientState` when
+    an iteration starts and unregisters only when it runs to the end; a registered, abandoned loader would
+    decide ``accelerator.sync_gradients`` for the next one. ``end()`` unregisters it (a no-op otherwise).
+    """
+    end = getattr(dataloader, "end", None)
+    if callable(end):
+        end()
+
+
+# -------------------------------------------------------------------------------- what the task returns
+
+
+def check_model(model: Any, task: Any) -> torch.nn.Module:
+    """Return ``model`` if it is an ``nn.Module``.
+
+    Raises:
+        TaskError: ``configure_model`` returned something else (``None``, a dict, a class instead of an instance).
+    """
+    if not isinstance(model, torch.nn.Module):
+        hint = " (a class: return an instance)" if isinstance(model, type) else ""
+        raise TaskError(
+            f"{type(task).__name__}.configure_model() returned {_describe(model)}{hint}; expected a torch.nn.Module"
+        )
+    return model
+
+
+def split_optimizers(spec: Any, source: str) -> tuple[torch.optim.Optimizer, Any]:
+    """Normalise a ``configure_optimizers`` result to ``(optimizer, scheduler or None)``.
+
+    Accepted: an optimizer; ``(optimizer, scheduler)``; ``{"optimizer": ..., "lr_scheduler": ...}`` where the
+    scheduler may be Lightning's ``{"scheduler": ..., "interval": "step"}``. A scheduler is any object with a
+    ``step()`` method that is not an optimizer (``torch.optim.lr_scheduler.LRScheduler``, transformers'
+    schedules).
+
+    Args:
+        spec: what ``configure_optimizers`` returned.
+        source (`str`): who returned it, for the message (``"MyTask.configure_optimizers()"``).
+
+    Raises:
+        TaskError: anything else: ``None``, a string, a parameter generator, two optimizers (torchloom steps
+            one), a second element that is not a scheduler, ``ReduceLROnPlateau`` (it needs a metric per step).
+        ConfigError: a Lightning scheduler dict with an interval other than ``"step"``.
+    """
+    expected = "an optimizer, (optimizer, scheduler) or {'optimizer': ..., 'lr_scheduler': ...}"
+    optimizer, scheduler = spec, None
+    if isinstance(spec, Mapping):
+        optimizer, scheduler = spec.get("optimizer"), spec.get("lr_scheduler")
+        if isinstance(scheduler, Mapping):  # Lightning's {"scheduler": ..., "interval": "step"}
+            if scheduler.get("interval", "step") != "step":
+                raise ConfigError(
+                    f"{source}: lr_scheduler interval {scheduler['interval']!r} is not supported; torchloom steps "
+                    "the scheduler once per optimizer step: use 'step' (and size the schedule in optimizer steps, "
+                    "e.g. with task.num_training_steps)"
+                )
+            scheduler = scheduler.get("scheduler")
+    elif isinstance(spec, tuple | list):
+        optimizers = [o for o in spec if isinstance(o, torch.optim.Optimizer)]
+        if len(optimizers) > 1:
+            raise TaskError(
+                f"{source} returned {len(optimizers)} optimizers; torchloom steps exactly one. Put the parameter "
+                "sets in one optimizer as parameter groups, or return (optimizer, scheduler)"
+            )
+        if len(spec) != 2:
+            raise TaskError(f"{source} returned a {type(spec).__name__} of {len(spec)} items; expected {expected}")
+        optimizer, scheduler = spec
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TaskError(f"{source} returned {_describe(spec)}; expected {expected}")
+    if scheduler is not None:
+        if isinstance(scheduler, torch.optim.Optimizer) or not callable(getattr(scheduler, "step", None)):
+            raise TaskError(
+                f"{source}: the scheduler is {_describe(scheduler)}; expected a learning-rate scheduler (an object "
+                "with step(), such as torch.optim.lr_scheduler.LambdaLR or transformers.get_scheduler(...))"
+            )
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TaskError(
+                f"{source}: ReduceLROnPlateau needs a monitored value at each step, and torchloom steps the "
+                "scheduler once per optimizer step without one; use a schedule of steps"
+            )
+    return optimizer, scheduler
+
+
+def check_optimizer_parameters(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """Warn when the optimizer holds parameters that are not the model's (built on another model instance).
+
+    Such an optimizer steps tensors the forward never uses: the model does not train, silently.
+    """
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = sum(1 for p in params if id(p) not in own)
+    if foreign:
+        warnings.warn(
+            f"{foreign} of the optimizer's {len(params)} parameters are not parameters of the model being trained "
+            "(was the optimizer built on another model instance?); they are stepped but never used by the forward. "
+            "Build the optimizer from self.model.parameters() in configure_optimizers",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+# --------------------------------------------------------------------------------------- several ranks
+
+
+def check_same_length(accelerator: Any, dataloader: Any, what: str) -> None:
+    """Raise on every rank if the ranks' ``dataloader`` lengths differ (one small all-gather).
+
+    A rank with more batches would enter a gradient all-reduce that no other rank joins and wait forever.
+    Skipped on one process and for dataloaders without a length.
+
+    Raises:
+        TaskError: the lengths differ (the message lists them per rank).
+    """
+    if accelerator.num_processes < 2:
+        return
+    try:
+        length = len(dataloader)
+    except TypeError:
+        length = -1  # no length: every rank must agree on that too
+    lengths = accelerator.gather(torch.tensor([length], device=accelerator.device)).tolist()
+    if len(set(lengths)) > 1:
+        listing = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(lengths))
+        raise TaskError(
+            f"the processes have different numbers of {what} batches ({listing}); every process must run the "
+            "same number of batches or they wait for each other forever. Give every process the same "
+            "DataLoader over the whole dataset and let Accelerate shard it"
+        )
+
+
+# ------------------------------------------------------------------------------------------ non-finite
+
+
+def optimizer_steps(first: int, last: int) -> str:
+    """``"optimizer step 3"`` or ``"optimizer steps 1-8"`` (1-based, inclusive)."""
+    return f"optimizer step {last}" if first >= last else f"optimizer steps {first}-{last}"
+
+
+def nonfinite_loss_error(value: float, first_step: int, last_step: int, epoch: int) -> TaskError:
+    """The error for a non-finite training loss seen in the optimizer steps ``first_step..last_step`` (1-based)."""
+    return TaskError(
+        f"the training loss became {value} in {optimizer_steps(first_step, last_step)} (epoch {epoch}); "
+        "stopping, and the model is not saved. "
+        "Lower the learning rate, clip gradients (grad_clip), check the data and the loss for division by zero "
+        "or log(0), or set the engine setting nonfinite_loss to 'skip' (skip such steps) or 'ignore'. "
+        "log_every_n_steps=1 narrows down the step"
+    )
+
+
+def check_finite_parameters(parameters: Iterable[torch.Tensor], accelerator: Any, where: str) -> None:
+    """Raise on every rank if any rank's floating parameters hold NaN or inf (one sync, one small all-reduce).
+
+    Raises:
+        TaskError: a parameter is not finite (``where`` says what was about to happen).
+    """
+    flags = [torch.isfinite(p.detach()).all() for p in parameters if p.is_floating_point()]
+    finite = torch.stack(flags).all().to(torch.float32) if flags else torch.ones((), device=accelerator.device)
+    if accelerator.num_processes > 1:
+        finite = accelerator.reduce(finite.to(accelerator.device), reduction="sum") / accelerator.num_processes
+    if float(finite) != 1.0:
+        raise TaskError(
+            f"the trained model holds NaN or infinite weights; {where}. A non-finite gradient in the last optimizer "
+            "steps is the usual cause: clip gradients (grad_clip) or lower the learning rate"
+        )
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, Iterator):
+        return (
+            f"an iterator ({type(value).__name__}); materialise it, e.g. list(model.parameters()), inside an optimizer"
+        )
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
