@@ -76,6 +76,17 @@ def test_a_mode_a_plugin_sets_at_epoch_start_is_kept(tmp_path):
     assert task.modes == [(True, False, True)] * 2 + [(True, False, False)] * 2
 
 
+def test_a_model_wholly_in_eval_mode_trains_in_train_mode(tmp_path):
+    # as transformers' from_pretrained returns it: dropout would silently be off for the whole fine-tune
+    class Pretrained(FrozenBackbone):
+        def configure_model(self):
+            return super().configure_model().eval()
+
+    task = Pretrained(n=8, batch_size=4)
+    tiny_fit(task=task, output_dir=str(tmp_path), max_epochs=2)
+    assert task.modes == [(True, True, True)] * 4
+
+
 def test_predict_gives_every_module_its_mode_back(tmp_path):
     task = FrozenBackbone(n=8, batch_size=4)
     engine = tiny_fit(task=task, output_dir=str(tmp_path))
@@ -479,3 +490,13 @@ def test_the_cli_reports_a_task_error_in_one_line_with_status_2(tmp_path, capsys
     assert main(["fit", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "val_check_interval" in err and "Traceback" not in err
+
+
+def test_the_user_guide_shows_the_messages_the_engine_prints():
+    from pathlib import Path
+
+    from torchloom._guards import nonfinite_loss_error
+
+    guide = (Path(__file__).parent.parent / "docs" / "user-guide.md").read_text(encoding="utf-8")
+    assert f"torchloom: error: {nonfinite_loss_error(float('nan'), 3, 3, 0)}\n" in guide
+    assert "the processes have different numbers of training batches (rank 0: 2, rank 1: 4); every process" in guide

@@ -25,6 +25,7 @@ __all__ = [
     "optimizer_steps",
     "split_optimizers",
     "stop_iteration",
+    "train_mode_unless_chosen",
 ]
 
 
@@ -46,6 +47,18 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, training in modes:
             module.training = training
+
+
+def train_mode_unless_chosen(model: torch.nn.Module) -> None:
+    """Put a model that is wholly in eval mode in train mode; leave per-module modes the user chose alone.
+
+    ``from_pretrained`` (transformers) returns a model in eval mode, with dropout off, and fine-tuning it as
+    it is would silently train without dropout: such a model is switched to train mode once, when the fit
+    starts. A model with any module in train mode has modes someone chose (a frozen BatchNorm put in
+    ``eval()`` under a training head): those are kept exactly, at the start and after every validation.
+    """
+    if not any(module.training for module in model.modules()):
+        model.train()
 
 
 def stop_iteration(dataloader: Any) -> None:

@@ -32,6 +32,7 @@ from torchloom._guards import (
     optimizer_steps,
     split_optimizers,
     stop_iteration,
+    train_mode_unless_chosen,
 )
 from torchloom._logbuffer import LogBuffer
 from torchloom.config import EngineConfig
@@ -487,6 +488,7 @@ class Engine:
 
         optimizer = scheduler = None
         if stage == "fit":
+            train_mode_unless_chosen(model)
             task.num_training_steps = steps = _num_training_steps(cfg, train_dataloader, accelerator)
             if val_dataloader is not None and cfg.val_check_interval and steps and cfg.val_check_interval > steps:
                 raise ConfigError(

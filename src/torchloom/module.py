@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from torchloom.errors import ConfigError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -116,23 +119,96 @@ class TaskModule:
         """Return the prediction dataloader (optional)."""
         return None
 
-    def save_model(self, directory: str | os.PathLike[str]) -> None:
-        """Save the trained weights to ``directory``, from the main process only.
+    def save_model(self, directory: str | os.PathLike[str], *, max_shard_size: int | str = "10GB") -> None:
+        """Save the trained weights to ``directory`` as safetensors, writing from the main process only.
 
-        The default saves a transformers model with ``save_pretrained`` (config + ``model.safetensors``)
-        and any other module with `accelerate.Accelerator.save_model` (safetensors). Override to also save a
-        tokenizer or processor.
+        Call it on every process: gathering the weights may need all of them (FSDP, DeepSpeed), and it returns
+        on each once the files are written, so any process may then load them. A transformers model is saved
+        with ``save_pretrained`` (``config.json`` and the weights); reload it with its ``from_pretrained``. Any
+        other module is saved with `huggingface_hub.save_torch_state_dict`; reload it with `load_model`. Either
+        way a tensor shared by several parameters (tied weights, such as an ``lm_head.weight`` tied to the input
+        embedding) is stored once, under one of its names, and both loaders restore the tie. A model larger than
+        ``max_shard_size`` is split into ``model-0000k-of-0000n.safetensors`` shards listed in
+        ``model.safetensors.index.json``; otherwise it is one ``model.safetensors``. Weight files of an earlier
+        save in ``directory`` are replaced. Override to also save a tokenizer or processor.
+
+        Args:
+            directory (`str` or `os.PathLike`): where to save; created if missing.
+            max_shard_size (`int` or `str`, defaults to ``"10GB"``): the largest shard, in bytes or as a string
+                such as ``"500MB"``. A single tensor larger than that gets a shard of its own.
         """
-        model = self.accelerator.unwrap_model(self.model)
+        accelerator = self.accelerator
+        model = accelerator.unwrap_model(self.model)
+        state_dict = accelerator.get_state_dict(self.model)  # on every rank: it gathers under FSDP / DeepSpeed
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(
                 directory,
-                is_main_process=self.accelerator.is_main_process,
-                save_function=self.accelerator.save,
-                state_dict=self.accelerator.get_state_dict(self.model),
+                is_main_process=accelerator.is_main_process,
+                save_function=accelerator.save,
+                state_dict=state_dict,
+                max_shard_size=max_shard_size,
             )
-        else:
-            self.accelerator.save_model(self.model, directory)
+        elif accelerator.is_main_process:
+            # Not `Accelerator.save_model`: it writes the shard index from every process.
+            from huggingface_hub import save_torch_state_dict
+
+            os.makedirs(directory, exist_ok=True)
+            save_torch_state_dict(state_dict, os.fspath(directory), max_shard_size=max_shard_size)
+        accelerator.wait_for_everyone()  # on return, every process can load what the main process wrote
+
+    @staticmethod
+    def load_model(model: torch.nn.Module, directory: str | os.PathLike[str]) -> torch.nn.Module:
+        """Load weights that `save_model` wrote into ``model``, in place, and return ``model``.
+
+        Reads ``directory/model.safetensors``, or the shards that ``directory/model.safetensors.index.json``
+        lists (with `huggingface_hub.load_torch_model`; nothing is unpickled). ``directory`` may also be one
+        ``.safetensors`` file. Use it in `configure_model` to start from, validate or predict with trained
+        weights; ``model`` is the module `configure_model` builds (unprepared, on any device). Tied weights
+        stay tied: a parameter that the file stores under another name it shares its tensor with (as
+        `save_model` and ``save_pretrained`` store tied weights) is loaded through that name. It works for a
+        transformers model too, though ``from_pretrained(directory)`` is the usual way to load one.
+
+        Args:
+            model (`torch.nn.Module`): the module to load into, with the architecture that was saved.
+            directory (`str` or `os.PathLike`): the directory `save_model` wrote, or a ``.safetensors`` file.
+
+        Returns:
+            `torch.nn.Module`: ``model``, with the saved weights.
+
+        Raises:
+            ConfigError: ``directory`` holds no saved model (neither file), or the saved weights do not fit
+                ``model``: a key that the model has and the file lacks (and that no loaded key shares its
+                tensor with), a key that the model lacks, or a shape that differs. ``model`` may then be
+                partly loaded.
+        """
+        from huggingface_hub import load_torch_model
+
+        path = Path(directory)
+        if path.is_dir() and not (path / "model.safetensors.index.json").is_file():
+            path = path / "model.safetensors"  # a lone file: other *.safetensors beside it are not weights
+        if not path.is_dir() and (path.suffix != ".safetensors" or not path.is_file()):
+            raise ConfigError(
+                f"{os.fspath(directory)!r} holds no saved model: expected a directory with model.safetensors or"
+                " model.safetensors.index.json and its shards (what TaskModule.save_model writes), or a"
+                " .safetensors file"
+            )
+        where = f"the model saved in {os.fspath(directory)!r}"
+        try:
+            missing, unexpected = load_torch_model(model, path, strict=False)
+        except (RuntimeError, OSError, ValueError) as exc:  # e.g. load_state_dict's "size mismatch for ..."
+            raise ConfigError(f"{where} cannot be loaded into {type(model).__name__}: {exc}") from exc
+        # A key the file lacks is loaded all the same when its tensor is that of a key the file has (a tie).
+        state = model.state_dict()
+        loaded = state.keys() - set(missing)
+        missing = [key for key in missing if not any(state[key].is_set_to(state[other]) for other in loaded)]
+        if missing or unexpected:
+            problems = {"missing": missing, "unexpected": unexpected}
+            found = "; ".join(f"{kind} keys {sorted(keys)}" for kind, keys in problems.items() if keys)
+            raise ConfigError(
+                f"{where} does not fit {type(model).__name__}: {found} (the same architecture, built with the"
+                " same settings, loads it)"
+            )
+        return model
 
     # ---------------------------------------------------------------------------------------- utilities
 
