@@ -509,9 +509,6 @@ class Engine:
             val_dataloader = accelerator.prepare(val_dataloader)
         if predict_dataloader is not None:
             predict_dataloader = accelerator.prepare(predict_dataloader)
-        for plugin in self.plugins:  # stateful plugins travel with accelerator.save_state / load_state
-            if callable(getattr(plugin, "state_dict", None)) and callable(getattr(plugin, "load_state_dict", None)):
-                accelerator.register_for_checkpointing(plugin)
         task.model = model
         # Written last, so that a run that fails to start leaves nothing in output_dir; a fit starts a fresh
         # metrics.jsonl at the same moment, so config.yaml and metrics.jsonl always belong to one run.
