@@ -15,10 +15,14 @@ Method card
     over its ``num_items``) is turned back into a sum before backward, and once per window the gradients
     are multiplied by ``steps * world_size / N``, where ``N`` is the number of items in the whole window
     over all ranks (one all-reduce of a 0-dim tensor per window, on device, no host sync). Every item then
-    has weight ``1 / N``, exactly as in one big batch.
+    has weight ``1 / N``, exactly as in one big batch. A bf16 / fp16 loss is not multiplied: backward would
+    cast the factor back to 16 bits (bf16 rounds 257 to 256), so the count multiplies each parameter's
+    gradient instead, in the parameter's dtype, where backward forms it (``Tensor.register_hook`` for that
+    micro-batch only, before the gradient is accumulated and before DDP all-reduces it).
 
 - **Hooks:** ``configure_accelerator`` (the Accelerator setting), ``run_train_step`` (wrapper: the
-  ``accumulate`` context), ``before_backward`` (token-sum loss), ``before_optimizer_step`` (``tryfirst``:
+  ``accumulate`` context; removes a micro-batch's gradient hooks), ``before_backward`` (token-sum loss, or the
+  gradient hooks of a 16-bit loss), ``before_optimizer_step`` (``tryfirst``:
   the window rescale, so that clipping and every other plugin see the final gradients).
 - **Epoch shorter than ``steps``:** the window is flushed at the end of every epoch (Accelerate's
   ``sync_with_dataloader`` behaviour), scaled by its real size, and a ``UserWarning`` says so once per fit.
@@ -35,6 +39,7 @@ Functional use, without the engine::
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -140,6 +145,11 @@ def scale_gradients_(parameters: Iterable[torch.nn.Parameter], scale: float | to
         torch._foreach_mul_(grads, factor)
 
 
+def _times(count: torch.Tensor | float, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor * count`` in ``tensor``'s dtype (also the gradient hook of a 16-bit loss)."""
+    return tensor * (count.to(tensor.dtype) if isinstance(count, torch.Tensor) else float(count))
+
+
 # ------------------------------------------------------------------------------------------------- plugin
 
 
@@ -169,6 +179,8 @@ class GradientAccumulation(torchloom.Plugin):
         self._micro_batches = 0  # micro-batches in the current window (host int, no sync)
         self._num_items: torch.Tensor | float | None = None  # this rank's item count in the window
         self._warned_short_epoch = False
+        self._model: torch.nn.Module | None = None  # the model, during run_train_step
+        self._count_hooks: list[Any] = []  # gradient hooks of the current micro-batch (a 16-bit loss)
 
     @property
     def _by_items(self) -> bool:
@@ -188,7 +200,14 @@ class GradientAccumulation(torchloom.Plugin):
         # dataloader) and, on the other micro-batches, enters DDP's no_sync: no gradient all-reduce.
         with accelerator.accumulate(model):
             self._micro_batches += 1
-            outputs = yield
+            self._model = model
+            try:
+                outputs = yield
+            finally:
+                self._model = None
+                for handle in self._count_hooks:
+                    handle.remove()
+                self._count_hooks = []
         if accelerator.sync_gradients:
             if self._micro_batches < self.config.steps and progress.batch_idx + 1 < self.config.steps:
                 self._warn_short_epoch(accelerator, progress.batch_idx + 1)
@@ -206,14 +225,18 @@ class GradientAccumulation(torchloom.Plugin):
                 f"over); got the keys {sorted(outputs)}. Return it, or use normalization='mean'."
             )
         loss, count = outputs["loss"], outputs["num_items"]
-        # mean -> sum over this micro-batch's items; at least float32, so that a bf16 / fp16 loss is not
-        # multiplied by a rounded count (bf16 holds integers exactly only up to 256).
-        dtype = torch.promote_types(loss.dtype, torch.float32)
         if isinstance(count, torch.Tensor):  # stays on its device: no sync
             count = count.to(device=loss.device, dtype=torch.float64 if loss.device.type != "mps" else torch.float32)
-            outputs["loss"] = loss.to(dtype) * count.to(dtype)
-        else:  # a Python number: no host-to-device copy per micro-batch; one per window, at the rescale
-            outputs["loss"] = loss.to(dtype) * float(count)
+        # (a Python number stays one: no host-to-device copy per micro-batch; one per window, at the rescale)
+        if torch.finfo(loss.dtype).bits >= 32 or self._model is None:
+            outputs["loss"] = _times(count, loss)  # mean -> sum over this micro-batch's items, exact in float32
+        else:
+            # A bf16 / fp16 loss: backward would cast any factor on the loss back to 16 bits (bf16 holds integers
+            # exactly only up to 256), so the count multiplies each parameter's gradient where it is formed, in
+            # the parameter's dtype, before it is accumulated (and before DDP all-reduces it).
+            self._count_hooks = [
+                p.register_hook(functools.partial(_times, count)) for p in self._model.parameters() if p.requires_grad
+            ]
         self._num_items = count if self._num_items is None else self._num_items + count
 
     @torchloom.hookimpl(tryfirst=True)
