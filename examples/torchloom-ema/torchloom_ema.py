@@ -5,8 +5,13 @@ Every ``every`` optimizer steps the plugin updates one shadow copy of the parame
     ema = decay * ema + (1 - decay) * weights
 
 starting from the weights at the start of the fit. Validation runs with the averaged weights swapped in,
-and the training weights are restored, bit for bit, when it ends. The average is saved and restored with
-``accelerator.save_state`` / ``load_state`` (the engine registers any plugin that has ``state_dict``).
+and the training weights are restored, bit for bit, when it ends. The average and the step counter are the
+plugin's state (``state_dict`` / ``load_state_dict``: tensors and ints only), which
+``torchloom.save_plugin_state`` writes as ``ema.safetensors`` + ``ema.json`` and ``torchloom.load_plugin_state``
+reads back, with no pickle::
+
+    torchloom.save_plugin_state([ema], "checkpoint/plugins", is_main_process=accelerator.is_main_process)
+    torchloom.load_plugin_state([ema], "checkpoint/plugins")  # before the next fit, or during it
 
 Enable it by name once this distribution is installed::
 
@@ -37,6 +42,8 @@ class EMA(torchloom.Plugin):
     Hooks: ``on_fit_start`` (copy the weights), ``after_optimizer_step`` (update, on the device, no
     host-device sync), ``on_validation_start`` / ``on_validation_end`` (swap the average in, then back),
     ``teardown`` (restore the training weights if a validation pass raised half-way).
+
+    State: ``state_dict`` / ``load_state_dict``, the stateful-plugin contract of `torchloom.save_plugin_state`.
 
     Attributes:
         steps (`int`): optimizer steps counted so far (steps the fp16 loss scaler skipped are not counted).
@@ -147,8 +154,10 @@ class EMA(torchloom.Plugin):
                 param.copy_(average)
 
     def state_dict(self) -> dict[str, Any]:
-        """The counters and the averaged weights: plain ints and tensors, loadable with
-        ``torch.load(..., weights_only=True)``."""
+        """The counters and the averaged weights: ``{"steps": int, "updates": int, "shadow": [tensor, ...]}``,
+        one tensor per averaged parameter, on its device. Only ints and tensors, as the stateful-plugin contract
+        asks: `torchloom.save_plugin_state` writes the tensors to ``ema.safetensors`` (``shadow.0``, ...) and the
+        rest to ``ema.json``."""
         if self._loaded is not None:  # loaded, not applied yet: hand it back unchanged
             return dict(self._loaded)
         return {
@@ -160,8 +169,9 @@ class EMA(torchloom.Plugin):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned.
 
-        During a fit the average is replaced at once. Outside a fit (a checkpoint loaded before
-        ``Engine.fit``) the state is kept and replaces the fresh copy of the weights when the next fit starts.
+        During a fit the average is replaced at once (copied into place, onto each parameter's device). Outside
+        a fit (a checkpoint loaded before ``Engine.fit``) the state is kept and replaces the fresh copy of the
+        weights when the next fit starts.
 
         Raises:
             ValueError: the state holds a different number or shape of tensors than the model.

@@ -14,8 +14,8 @@ Method card
   ``on_train_end`` exits it (the final average, before the engine saves the model, so the saved model is the
   averaged one on every process); after an exception, which ``on_exception`` records, ``teardown`` leaves it
   without that average, since another process may never reach that collective.
-  ``state_dict`` / ``load_state_dict`` carry the step counter through ``accelerator.save_state`` /
-  ``load_state``.
+  ``state_dict`` / ``load_state_dict`` carry the step counter (one int) through
+  ``torchloom.save_plugin_state`` / ``load_plugin_state``, so a resumed run averages on the same optimizer steps.
 - **Guarantees:** right after each averaging the parameters are bitwise equal on every process and are the
   mean of their values just before it; between averagings they differ; on one process the plugin warns once
   and is an exact no-op (no collective, bitwise the run without it).
@@ -150,11 +150,13 @@ class LocalSGDPlugin(torchloom.Plugin):
     # ---------------------------------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, int]:
-        """Return ``{"num_steps": optimizer steps counted}`` (plain ints: loads with ``weights_only=True``)."""
+        """Return ``{"num_steps": optimizer steps counted}``: one int, as `torchloom.save_plugin_state` takes."""
         return {"num_steps": int(self.num_steps)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restore the step counter, so averaging stays on the same optimizer steps after a resume.
+
+        Works before ``on_fit_start`` (the next fit starts counting from it) and during a fit.
 
         Raises:
             PluginError: ``state`` has no integer ``num_steps``.

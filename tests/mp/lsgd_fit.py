@@ -35,10 +35,13 @@ task = run("lsgd", [LocalSGDPlugin(sync_every=2)], LocalSGDProbe(), TwoGroupTask
 # GA 2: 48 samples = 24 batches, 12 micro-batches per rank, still 6 optimizer steps.
 run("lsgd_ga", [LocalSGDPlugin(sync_every=2), {"grad_accum": {"steps": 2}}], LocalSGDProbe(), TwoGroupTask(48))
 run("ddp", [], LocalSGDProbe(), TwoGroupTask(24))
-# Resume: 3 steps with K=4 and save; then a new plugin loads the counter (3): it averages after 1 more step.
+# Resume: 3 steps with K=4 and save (torchloom.save_plugin_state, main process); then a new plugin loads the
+# counter (3) on every process (torchloom.load_plugin_state, during its fit): it averages after 1 more step.
 ckpt = str(out / "ckpt")
-run("resume_a", [LocalSGDPlugin(sync_every=4)], LocalSGDProbe(save_to=ckpt), TwoGroupTask(24), max_steps=3)
-run("resume_b", [LocalSGDPlugin(sync_every=4)], LocalSGDProbe(load_from=ckpt), TwoGroupTask(24), max_steps=2)
+first, second = LocalSGDPlugin(sync_every=4), LocalSGDPlugin(sync_every=4)
+run("resume_a", [first], LocalSGDProbe(save_to=ckpt, stateful=[first]), TwoGroupTask(24), max_steps=3)
+run("resume_b", [second], LocalSGDProbe(load_from=ckpt, stateful=[second]), TwoGroupTask(24), max_steps=2)
+results["ckpt_files"] = sorted(p.name for p in Path(ckpt).iterdir())
 
 acc = task.accelerator
 results["rank"], results["world_size"] = acc.process_index, acc.num_processes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,21 +40,23 @@ class LocalSGDProbe:
     """Snapshots the parameters right after ``optimizer.step()`` (``pre``: its ``after_optimizer_step`` runs
     before that of ``local_sgd`` when listed after it, as ``after_*`` hooks run in reverse order) and after the
     whole optimizer step (``post``: in ``on_train_batch_end``); counts DDP gradient all-reduces (a comm hook).
-    Optionally saves (``on_fit_end``) or loads (``on_fit_start``) the Accelerate state in ``state_dir``."""
+    Optionally saves the state of the plugins in ``stateful`` to ``save_to`` (``on_fit_end``, main process only,
+    then a barrier) or loads it from ``load_from`` (``on_fit_start``, which runs after that of the plugins
+    listed before the probe), with `torchloom.save_plugin_state` / `torchloom.load_plugin_state`."""
 
     name = "test.local_sgd_probe"
 
-    def __init__(self, save_to: str | None = None, load_from: str | None = None) -> None:
+    def __init__(self, save_to: str | None = None, load_from: str | None = None, stateful: Sequence[Any] = ()) -> None:
         self.pre: list[list[float]] = []
         self.post: list[list[float]] = []
         self.grad_allreduces = 0
-        self.save_to, self.load_from = save_to, load_from
+        self.save_to, self.load_from, self.stateful = save_to, load_from, list(stateful)
 
     @torchloom.hookimpl
     def on_fit_start(self, accelerator: Any, model: torch.nn.Module) -> None:
         self._model = model
         if self.load_from:
-            accelerator.load_state(self.load_from)
+            torchloom.load_plugin_state(self.stateful, self.load_from)
         if accelerator.num_processes > 1:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -75,7 +78,8 @@ class LocalSGDProbe:
     @torchloom.hookimpl
     def on_fit_end(self, accelerator: Any) -> None:
         if self.save_to:
-            accelerator.save_state(self.save_to)
+            torchloom.save_plugin_state(self.stateful, self.save_to, is_main_process=accelerator.is_main_process)
+            accelerator.wait_for_everyone()  # the other processes read the files in the next fit
 
     def _flat(self) -> list[float]:
         module = getattr(self._model, "module", self._model)

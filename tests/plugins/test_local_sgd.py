@@ -1,6 +1,7 @@
 """The ``local_sgd`` plugin: averaging exactly every K optimizer steps (parameter groups, gradient
 accumulation), ranks equal right after each averaging and different between them, no gradient all-reduce,
-the step counter carried by checkpoints, and an exact no-op with a warning on one process.
+the step counter carried by checkpoints (`torchloom.save_plugin_state`), and an exact no-op with a warning on
+one process.
 
 Case C17 of shared/cases/README.md, run through `torchloom.Engine` (2 CPU processes under torchrun, gloo).
 """
@@ -74,12 +75,14 @@ def test_no_gradient_allreduce_unlike_ddp(ranks):
 
 @pytest.mark.multiprocess
 def test_counter_is_restored_from_a_checkpoint(ranks):
-    """K = 4: a run of 3 steps saves its state (num_steps 3); a new plugin that loads it averages after the
-    first step of the resumed run (count 4), not after its fourth."""
+    """K = 4: a run of 3 steps saves its state (num_steps 3, `torchloom.save_plugin_state` on the main process);
+    a new plugin that loads it on both processes averages after the first step of the resumed run (count 4), not
+    after its fourth. The checkpoint is JSON + safetensors: no pickle."""
     a0, b0, b1 = ranks[0]["resume_a"], ranks[0]["resume_b"], ranks[1]["resume_b"]
     assert (a0["num_steps"], a0["num_averages"]) == (3, 0)
-    assert (b0["num_steps"], b0["num_averages"]) == (5, 1)
+    assert (b0["num_steps"], b0["num_averages"]) == (b1["num_steps"], b1["num_averages"]) == (5, 1)
     _check_averaging(b0, b1, [True, False])
+    assert ranks[0]["ckpt_files"] == ["local_sgd.json", "local_sgd.safetensors"]
 
 
 # -------------------------------------------------------------------------------------------- one process
@@ -107,18 +110,30 @@ def test_one_process_warns_and_is_an_exact_noop(tmp_path, monkeypatch):
     assert plugin.num_steps == 24 and plugin.num_averages == 0
 
 
-def test_state_travels_with_save_state_and_load_state(tmp_path):
-    """The engine registers the plugin for checkpointing: save_state writes its counter, load_state in a new
-    run restores it into a new plugin instance (loaded before that plugin's on_fit_start)."""
+def test_state_travels_with_save_plugin_state_and_load_plugin_state(tmp_path):
+    """save_plugin_state writes the counter as JSON; load_plugin_state in a new run restores it into a new plugin
+    instance (here loaded before that plugin's on_fit_start: the probe is listed first)."""
     ckpt = str(tmp_path / "ckpt")
     first = LocalSGDPlugin(sync_every=3)
     with pytest.warns(UserWarning):
-        tiny_fit([first, LocalSGDProbe(save_to=ckpt)], max_steps=5, output_dir=str(tmp_path / "a"))
+        tiny_fit([first, LocalSGDProbe(save_to=ckpt, stateful=[first])], max_steps=5, output_dir=str(tmp_path / "a"))
     assert first.state_dict() == {"num_steps": 5}
     second = LocalSGDPlugin(sync_every=3)
     with pytest.warns(UserWarning):
-        tiny_fit([LocalSGDProbe(load_from=ckpt), second], max_steps=2, output_dir=str(tmp_path / "b"))
+        tiny_fit(
+            [LocalSGDProbe(load_from=ckpt, stateful=[second]), second], max_steps=2, output_dir=str(tmp_path / "b")
+        )
     assert second.num_steps == 7
+
+
+def test_state_round_trips_exactly(tmp_path):
+    """The state after a load is the state before the save, of the same type (a plain int)."""
+    plugin = LocalSGDPlugin(sync_every=2)
+    plugin.load_state_dict({"num_steps": 2**40 + 3})
+    assert torchloom.save_plugin_state([plugin], tmp_path) == ["local_sgd"]
+    fresh = LocalSGDPlugin(sync_every=2)
+    assert torchloom.load_plugin_state([fresh], tmp_path) == ["local_sgd"]
+    assert fresh.state_dict() == {"num_steps": 2**40 + 3} and type(fresh.state_dict()["num_steps"]) is int
 
 
 def test_load_state_dict_validates_and_applies_to_a_running_counter(tmp_path):

@@ -128,8 +128,8 @@ def test_a_validation_pass_that_raises_still_gets_the_training_weights_back(tmp_
             raise RuntimeError("validation failed")
 
     ema, trajectory, task = EMA(decay=0.5), Trajectory(), FailingValidation()
-    with pytest.raises(RuntimeError, match="validation failed"):
-        tiny_fit([ema, trajectory], task=task, max_epochs=1, output_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="validation failed"):  # the epoch's validation, after 8 steps
+        tiny_fit([ema, trajectory], task=task, max_epochs=1, num_sanity_val_steps=0, output_dir=str(tmp_path))
     # teardown restored the weights of the last optimizer step, not the average swapped in for validation.
     for param, last in zip(task.model.parameters(), trajectory.after_step[-1], strict=True):
         assert torch.equal(param.double(), last)
@@ -147,40 +147,94 @@ def test_hooks_fire_in_the_documented_places(tmp_path):
     assert start < end
 
 
-def test_state_dict_round_trip_and_weights_only_load(tmp_path):
-    ema = EMA(decay=0.9, every=2)
-    tiny_fit([ema], max_epochs=1, output_dir=str(tmp_path))
-    path = tmp_path / "ema.pt"
-    torch.save(ema.state_dict(), path)
-    state = torch.load(path, weights_only=True)  # plain ints and tensors: no pickled objects
-    assert (state["steps"], state["updates"]) == (STEPS_PER_EPOCH, STEPS_PER_EPOCH // 2)
+def same_state(a: dict, b: dict) -> bool:
+    """Equal counters (ints) and bitwise-equal averages (dtype, shape and device too)."""
+    return (
+        a.keys() == b.keys() == {"steps", "updates", "shadow"}
+        and (type(a["steps"]), type(a["updates"])) == (type(b["steps"]), type(b["updates"])) == (int, int)
+        and (a["steps"], a["updates"]) == (b["steps"], b["updates"])
+        and len(a["shadow"]) == len(b["shadow"])
+        and all(
+            x.dtype == y.dtype and x.device == y.device and x.shape == y.shape and torch.equal(x, y)
+            for x, y in zip(a["shadow"], b["shadow"], strict=True)
+        )
+    )
 
-    # Loaded before a fit, the state replaces the fresh copy of the weights when the fit starts.
+
+def test_state_round_trips_bitwise_through_safetensors_and_json(tmp_path):
+    ema = EMA(decay=0.9, every=2)
+    tiny_fit([ema], max_epochs=1, output_dir=str(tmp_path / "run"))
+    before = ema.state_dict()
+    assert (before["steps"], before["updates"]) == (STEPS_PER_EPOCH, STEPS_PER_EPOCH // 2)
+
+    assert torchloom.save_plugin_state([ema], tmp_path / "state") == ["ema"]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["ema.json", "ema.safetensors"]
+    fresh = EMA(decay=0.9, every=2)
+    assert torchloom.load_plugin_state([fresh], tmp_path / "state") == ["ema"]
+    assert same_state(fresh.state_dict(), before)  # loaded outside a fit: kept as loaded until the next one
+    assert same_state(ema.state_dict(), before)  # saving changed nothing
+
+
+def test_a_loaded_state_continues_the_recurrence(tmp_path):
+    """Loaded before a fit, the state replaces the fresh copy of the weights when the fit starts, and the step
+    counter carries over: 8 + k is a multiple of 2 exactly when k is."""
+    ema = EMA(decay=0.9, every=2)
+    tiny_fit([ema], max_epochs=1, output_dir=str(tmp_path / "run"))
+    torchloom.save_plugin_state([ema], tmp_path / "state")
+    saved = [t.clone() for t in ema.averaged_parameters]
+
     resumed, trajectory = EMA(decay=0.9, every=2), Trajectory()
-    resumed.load_state_dict(state)
+    torchloom.load_plugin_state([resumed], tmp_path / "state")
     tiny_fit([resumed, trajectory], max_epochs=1, output_dir=str(tmp_path / "resumed"))
     assert resumed.steps == 2 * STEPS_PER_EPOCH
-    trajectory.start = [t.double() for t in state["shadow"]]
+    trajectory.start = [t.double() for t in saved]
     want = expected_average(trajectory, 0.9, 2)
-    # The step counter carries over: 8 + k is a multiple of 2 exactly when k is.
     for got, expected in zip(resumed.averaged_parameters, want, strict=True):
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6)
 
 
-def test_accelerator_save_state_carries_the_average(tmp_path):
-    ema = EMA(decay=0.9)
-    engine = tiny_fit([ema], max_epochs=1, output_dir=str(tmp_path / "run"))
-    engine.accelerator.save_state(str(tmp_path / "ckpt"))
-    saved = [t.clone() for t in ema.averaged_parameters]
+class LoadAtFitStart(torchloom.Plugin):
+    """Loads plugin state from a hook, during the fit (listed after ema, so ema's on_fit_start ran first)."""
 
-    # A second run of the same task registers its own ema; load_state hands it the saved average.
-    other = EMA(decay=0.9)
-    engine2 = tiny_fit([other], max_epochs=1, max_steps=1, output_dir=str(tmp_path / "run2"))
-    assert other.steps == 1
-    engine2.accelerator.load_state(str(tmp_path / "ckpt"))
-    state = other.state_dict()  # outside a fit: kept for the next fit's start
-    assert state["steps"] == STEPS_PER_EPOCH
-    assert all(torch.equal(a, b) for a, b in zip(state["shadow"], saved, strict=True))
+    name = "load_at_fit_start"
+
+    def __init__(self, plugins: list, directory) -> None:
+        super().__init__()
+        self.plugins, self.directory = plugins, directory
+
+    @torchloom.hookimpl
+    def on_fit_start(self):
+        torchloom.load_plugin_state(self.plugins, self.directory)
+
+
+@pytest.mark.parametrize("when", ["before the fit", "during the fit"])
+def test_a_resumed_fit_ends_where_the_uninterrupted_fit_ends(tmp_path, when):
+    """Two epochs in one fit, or one epoch, a checkpoint (the weights, and ema's state through
+    save_plugin_state), and one more epoch in a new fit with a new plugin: the same average, bit for bit, and
+    the same counters. every=3 does not divide the 8 steps of an epoch, so a lost step counter would show."""
+    whole = EMA(decay=0.9, every=3)
+    tiny_fit([whole], max_epochs=2, output_dir=str(tmp_path / "whole"))
+
+    first, task = EMA(decay=0.9, every=3), TinyTask()
+    tiny_fit([first], task=task, max_epochs=1, output_dir=str(tmp_path / "first"))
+    torchloom.save_plugin_state([first], tmp_path / "ckpt")
+    weights = {k: v.clone() for k, v in task.model.state_dict().items()}
+
+    class Resumed(TinyTask):
+        def configure_model(self):
+            model = super().configure_model()
+            model.load_state_dict(weights)
+            return model
+
+    second = EMA(decay=0.9, every=3)
+    if when == "before the fit":
+        torchloom.load_plugin_state([second], tmp_path / "ckpt")
+        plugins = [second]
+    else:
+        plugins = [second, LoadAtFitStart([second], tmp_path / "ckpt")]
+    tiny_fit(plugins, task=Resumed(), max_epochs=1, output_dir=str(tmp_path / "second"))
+    assert (second.steps, second.updates) == (whole.steps, whole.updates) == (16, 5)
+    assert same_state(second.state_dict(), whole.state_dict())
 
 
 def test_copy_to_puts_the_average_in_a_model(tmp_path):
