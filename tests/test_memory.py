@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -129,3 +131,99 @@ def test_bad_input_is_a_config_error():
         torchloom.estimate_optimizer_memory(model, "adamw8bitt")
     with pytest.raises(torchloom.ConfigError, match=r"unknown setting 'momentun'"):
         torchloom.estimate_optimizer_memory(model, "sgd", momentun=0.9)
+
+
+# ------------------------------------------------------------------- the core asks the plugins, knows none
+
+CORE_MEMORY = Path(__file__).resolve().parents[1] / "src" / "torchloom" / "memory.py"
+
+
+def test_core_holds_no_optimizer_names_or_settings():
+    """Which optimizers exist and what their state weighs is the optimizer plugin's knowledge, not the core's."""
+    text = CORE_MEMORY.read_text().lower()
+    for word in ("adamw", "adafactor", "8bit", "sgd", "bitsandbytes", "momentum", "min_8bit_size", "embedding"):
+        assert word not in text, f"src/torchloom/memory.py mentions {word!r}"
+
+
+class Lion:
+    """A third-party optimizer plugin (not installed): two names, state = one moment (``n * s``) per parameter,
+    plus ``extra`` bytes from its own setting."""
+
+    name = "lion_plugin"
+    optimizer_names = ("lion", "lion_fused")
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    @classmethod
+    def estimate_optimizer_memory(cls, model, name, settings):
+        cls.calls.append((name, dict(settings)))
+        unknown = set(settings) - {"extra"}
+        if unknown:
+            raise torchloom.ConfigError(f"plugin 'lion_plugin': unknown setting {sorted(unknown)[0]!r}")
+        return sum(p.numel() * p.element_size() for p in model.parameters()) + settings.get("extra", 0)
+
+
+def test_a_third_party_plugin_answers_for_its_own_optimizer():
+    model = torch.nn.Linear(10, 4)  # 44 float32 elements
+    assert torchloom.estimate_optimizer_memory(model, "lion", plugin=Lion) == 44 * 4
+    assert torchloom.estimate_optimizer_memory(model, "lion_fused", plugin=Lion(), extra=8) == 44 * 4 + 8
+    assert torchloom.estimate_optimizer_memory(model, plugin=Lion) == 44 * 4  # its first name is its default
+    assert Lion.calls[-2:] == [("lion_fused", {"extra": 8}), ("lion", {})]
+    with pytest.raises(torchloom.ConfigError, match=r"unknown optimizer 'lino'; did you mean 'lion'\? Valid: lion"):
+        torchloom.estimate_optimizer_memory(model, "lino", plugin=Lion)
+    with pytest.raises(torchloom.ConfigError, match=r"estimate_optimizer_memory\('lion'\): .*unknown setting 'x'"):
+        torchloom.estimate_optimizer_memory(model, "lion", plugin=Lion, x=1)
+
+
+@pytest.fixture
+def lion_installed(monkeypatch):
+    """Lion registered under the entry-point group, as an installed distribution would register it."""
+    real = importlib.metadata.entry_points
+
+    def entry_points(**params: Any) -> Any:
+        found = list(real(**params))
+        if params.get("group") == "torchloom.plugins":
+            found.append(importlib.metadata.EntryPoint("lion_plugin", f"{__name__}:Lion", "torchloom.plugins"))
+        return found
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+
+
+def test_installed_plugins_are_found_by_entry_point_discovery(lion_installed):
+    model = torch.nn.Linear(10, 4)
+    assert torchloom.estimate_optimizer_memory(model, "lion") == 44 * 4
+    assert torchloom.estimate_optimizer_memory(model, "adamw") == 2 * 44 * 4 + 2 * 4  # the built-in still answers
+    with pytest.raises(torchloom.ConfigError, match=r"unknown optimizer 'lamb'\. Valid: lion, lion_fused"):
+        torchloom.estimate_optimizer_memory(model, "lamb")
+    with pytest.raises(torchloom.ConfigError, match="several plugins estimate optimizer memory; name the optimizer"):
+        torchloom.estimate_optimizer_memory(model)
+
+
+def test_two_plugins_knowing_one_name_must_be_chosen_between(lion_installed, monkeypatch):
+    monkeypatch.setattr(Lion, "optimizer_names", ("lion", "adamw"))
+    model = torch.nn.Linear(10, 4)
+    with pytest.raises(
+        torchloom.ConfigError, match=r"'adamw' is known by plugins 'lion_plugin' and '\w+'; pass plugin="
+    ):
+        torchloom.estimate_optimizer_memory(model, "adamw")
+    assert torchloom.estimate_optimizer_memory(model, "adamw", plugin="lion_plugin") == 44 * 4
+
+
+def test_allow_list_limits_the_plugins_asked(lion_installed, monkeypatch):
+    monkeypatch.setenv("TORCHLOOM_PLUGINS", "lion_plugin")
+    with pytest.raises(torchloom.ConfigError, match=r"unknown optimizer 'adamw'\. Valid: lion, lion_fused"):
+        torchloom.estimate_optimizer_memory(torch.nn.Linear(2, 2), "adamw")
+
+
+def test_a_plugin_that_does_not_estimate_is_a_plugin_error():
+    class NoEstimate(torchloom.Plugin):
+        name = "no_estimate"
+
+    class BadAnswer(Lion):
+        @classmethod
+        def estimate_optimizer_memory(cls, model, name, settings):
+            return 1.5
+
+    with pytest.raises(torchloom.PluginError, match="'no_estimate' does not estimate optimizer memory"):
+        torchloom.estimate_optimizer_memory(torch.nn.Linear(2, 2), "lion", plugin=NoEstimate)
+    with pytest.raises(torchloom.PluginError, match=r"returned 1\.5; expected a number of bytes"):
+        torchloom.estimate_optimizer_memory(torch.nn.Linear(2, 2), "lion", plugin=BadAnswer)

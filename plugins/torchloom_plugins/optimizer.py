@@ -15,8 +15,10 @@ Method card
   (``lr: null``) runs under the transformers proxy schedule and logs the step size it really used; 8-bit Adam
   keeps 32-bit state for embeddings (the HF Trainer's module override) and for tensors under ``min_8bit_size``;
   the logged state size equals `torchloom.estimate_optimizer_memory` made before training.
-- **Functional core:** `create_optimizer`, `create_scheduler`, `decay_split`, `optimizer_state_bytes` work
-  without the loop.
+- **Memory estimate:** the plugin answers `torchloom.estimate_optimizer_memory` for the names it builds
+  (``optimizer_names``, classmethod ``estimate_optimizer_memory``; the interface any plugin may implement).
+- **Functional core:** `create_optimizer`, `create_scheduler`, `decay_split`, `optimizer_state_bytes`,
+  `estimate_state_bytes` work without the loop.
 
 Run: ``torchloom fit config.yaml`` with ``plugins: {optimizer: {name: adamw, lr: 3.0e-4, weight_decay: 0.01,
 scheduler: cosine, warmup_ratio: 0.05}}``.
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
@@ -40,6 +43,7 @@ __all__ = [
     "create_optimizer",
     "create_scheduler",
     "decay_split",
+    "estimate_state_bytes",
     "optimizer_state_bytes",
 ]
 
@@ -337,6 +341,83 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+# bitsandbytes 0.45-0.50 (`Optimizer2State.init_state`): blockwise 8-bit state uses one float32 absmax per
+# block of 256 elements, and the optimizer shares two 256-entry float32 quantization maps ("dynamic" and
+# "udynamic") between all of its 8-bit parameters.
+_BNB_BLOCKSIZE = 256
+_BNB_QMAP_BYTES = 2 * 256 * 4
+
+
+def estimate_state_bytes(model: torch.nn.Module, config: OptimizerConfig) -> int:
+    """Return the bytes of state the optimizer ``config`` names will hold for ``model``, before any step.
+
+    The count is the sum of ``nbytes`` of every distinct state tensor once each trainable parameter
+    (``requires_grad=True``; tied parameters count once) has taken one step: what `optimizer_state_bytes`
+    measures and the plugin logs as ``optimizer/state_bytes``. Per parameter ``p`` with ``n`` elements and
+    element size ``s`` bytes:
+
+    - ``adamw`` (`torch.optim.AdamW`): ``exp_avg`` and ``exp_avg_sq`` (``2 * n * s``) and a 0-dim ``step``
+      tensor (4 bytes; 8 when the default dtype is float64).
+    - ``sgd`` (`torch.optim.SGD`): a ``momentum_buffer`` (``n * s``) when ``momentum`` is not 0, else nothing.
+    - ``adafactor`` (`transformers.Adafactor`, ``beta1=None``): for a matrix of shape ``(..., r, c)`` the
+      factored second moment (row ``prod(...) * r`` plus column ``prod(...) * c`` elements), for other shapes
+      a full ``exp_avg_sq`` (``n`` elements), and a 0-dim ``RMS`` tensor; all in float32 for fp16/bf16
+      parameters, else in the parameter's dtype.
+    - ``adamw8bit`` / ``adam8bit`` / ``paged_adamw8bit`` (bitsandbytes): two uint8 states (``2 * n``) plus two
+      float32 absmax values per block of 256 elements; parameters with fewer than ``min_8bit_size`` elements,
+      and embedding weights when ``embedding_32bit`` is on, keep two float32 states (``8 * n``). The two
+      256-entry float32 quantization maps are shared by all 8-bit parameters and counted once (2048 bytes).
+
+    Only ``name``, ``momentum``, ``min_8bit_size`` and ``embedding_32bit`` change the size. Parameters that never
+    receive a gradient get no state, so a model with such parameters uses less than estimated. Reads only
+    parameter metadata: a model on the ``meta`` device works.
+
+    Args:
+        model (`torch.nn.Module`): the model, on any device.
+        config (`OptimizerConfig`): the settings.
+
+    Returns:
+        `int`: bytes.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]  # parameters() yields a tied tensor once
+    if config.name == "adamw":
+        step_bytes = torch.tensor(0.0, dtype=_scalar_dtype(), device="meta").element_size()
+        return sum(2 * p.numel() * p.element_size() + step_bytes for p in params)
+    if config.name == "sgd":
+        return sum(p.numel() * p.element_size() for p in params) if _or(config.momentum, 0.0) != 0 else 0
+    if config.name == "adafactor":
+        return sum(_adafactor_bytes(p) for p in params)
+    # bitsandbytes 8-bit Adam
+    min_8bit_size = _or(config.min_8bit_size, 4096)
+    embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    forced_32bit = {id(p) for p in embeddings} if _or(config.embedding_32bit, True) else set()
+    total, any_8bit = 0, False
+    for p in params:
+        n = p.numel()
+        if n < min_8bit_size or id(p) in forced_32bit:
+            total += 2 * n * 4
+        else:
+            total += 2 * n + 2 * math.ceil(n / _BNB_BLOCKSIZE) * 4
+            any_8bit = True
+    return total + (_BNB_QMAP_BYTES if any_8bit else 0)
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim's ``step`` tensor: float64 when the default dtype is float64, else float32.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _adafactor_bytes(p: torch.Tensor) -> int:
+    itemsize = 4 if p.dtype in (torch.float16, torch.bfloat16) else p.element_size()
+    shape = tuple(p.shape)
+    if len(shape) >= 2:
+        lead = math.prod(shape[:-2])
+        elements = lead * shape[-2] + lead * shape[-1]
+    else:
+        elements = p.numel()
+    return (elements + 1) * itemsize  # + the 0-dim RMS
+
+
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -364,6 +445,20 @@ class OptimizerSwap(torchloom.Plugin):
 
     name = "optimizer"
     Config = OptimizerConfig
+    #: The optimizer names this plugin builds (the first is the default), for `torchloom.estimate_optimizer_memory`.
+    optimizer_names: ClassVar[tuple[str, ...]] = get_args(OptimizerName)
+
+    @classmethod
+    def estimate_optimizer_memory(cls, model: torch.nn.Module, name: str, settings: Mapping[str, Any]) -> int:
+        """Answer `torchloom.estimate_optimizer_memory`: the bytes of state optimizer ``name`` will hold.
+
+        ``settings`` are this plugin's (``weight_decay``, ``momentum``, ...), validated as at enabling; see
+        `estimate_state_bytes` for the formulas.
+
+        Raises:
+            ConfigError: a bad setting.
+        """
+        return estimate_state_bytes(model, torchloom.build_config(cls, {**settings, "name": name}))
 
     def __init__(self, config: OptimizerConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)

@@ -1,145 +1,183 @@
 """Memory estimates made before training, from a model's parameters alone (no step is run).
 
-`estimate_optimizer_memory` predicts, in bytes, the optimizer state that the ``optimizer`` plugin builds for a
-model: the same number that plugin logs as ``optimizer/state_bytes`` after the first optimizer step.
+`estimate_optimizer_memory` predicts, in bytes, the optimizer state that a plugin builds for a model. The core
+knows no optimizer: it asks the installed plugins, through two class attributes that any plugin may define
+(the optimizer plugin's page, ``docs/plugins/optimizer.md``, documents them as a reference implementation):
+
+- ``optimizer_names`` (`tuple[str, ...]`): the optimizer names the plugin builds and estimates; the first is
+  the plugin's default.
+- ``estimate_optimizer_memory(model, name, settings)`` (a classmethod or staticmethod): the bytes of optimizer
+  state the plugin would hold for ``model`` with the optimizer ``name`` and the plugin's ``settings`` (a
+  mapping, validated by the plugin: a bad one is a `ConfigError`). Called only with a name from
+  ``optimizer_names``.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from torchloom.errors import ConfigError
+from torchloom.errors import ConfigError, PluginError
+from torchloom.plugins import find_plugin, installed_plugins
 
-__all__ = ["OPTIMIZER_NAMES", "estimate_optimizer_memory"]
+__all__ = ["estimate_optimizer_memory"]
 
-#: The optimizer names the ``optimizer`` plugin and `estimate_optimizer_memory` accept.
-OPTIMIZER_NAMES = ("adamw", "adafactor", "adamw8bit", "adam8bit", "paged_adamw8bit", "sgd")
-
-# Settings of the ``optimizer`` plugin. Only ``momentum``, ``min_8bit_size`` and ``embedding_32bit`` change
-# the state size; the others are accepted so that one settings mapping serves both.
-_SETTINGS = (
-    "lr",
-    "betas",
-    "eps",
-    "weight_decay",
-    "momentum",
-    "no_decay",
-    "scale_parameter",
-    "warmup_init",
-    "embedding_32bit",
-    "min_8bit_size",
-    "scheduler",
-    "warmup_steps",
-    "warmup_ratio",
-    "scheduler_kwargs",
-)
-
-# bitsandbytes 0.45-0.50 (`Optimizer2State.init_state`): blockwise 8-bit state uses one float32 absmax per
-# block of 256 elements, and the optimizer shares two 256-entry float32 quantization maps ("dynamic" and
-# "udynamic") between all of its 8-bit parameters.
-_BNB_BLOCKSIZE = 256
-_BNB_QMAP_BYTES = 2 * 256 * 4
+#: The attributes a plugin defines to answer `estimate_optimizer_memory`.
+NAMES_ATTR = "optimizer_names"
+ESTIMATE_ATTR = "estimate_optimizer_memory"
 
 
-def estimate_optimizer_memory(model: torch.nn.Module, name: str = "adamw", **settings: Any) -> int:
-    """Return the bytes of optimizer state that the ``optimizer`` plugin will hold for ``model``.
+def estimate_optimizer_memory(
+    model: torch.nn.Module, name: str | None = None, *, plugin: Any = None, **settings: Any
+) -> int:
+    """Return the bytes of optimizer state that the plugin building optimizer ``name`` will hold for ``model``.
 
-    The count is the sum of ``nbytes`` of every distinct state tensor once each trainable parameter
-    (``requires_grad=True``; tied parameters count once) has taken one step, which is exactly what the plugin
-    logs as ``optimizer/state_bytes``. Per parameter ``p`` with ``n`` elements and element size ``s`` bytes:
-
-    - ``adamw`` (`torch.optim.AdamW`): ``exp_avg`` and ``exp_avg_sq`` (``2 * n * s``) and a 0-dim ``step``
-      tensor (4 bytes; 8 when the default dtype is float64).
-    - ``sgd`` (`torch.optim.SGD`): a ``momentum_buffer`` (``n * s``) when ``momentum`` is not 0, else nothing.
-    - ``adafactor`` (`transformers.Adafactor`, ``beta1=None``): for a matrix of shape ``(..., r, c)`` the
-      factored second moment (row ``prod(...) * r`` plus column ``prod(...) * c`` elements), for other shapes
-      a full ``exp_avg_sq`` (``n`` elements), and a 0-dim ``RMS`` tensor; all in float32 for fp16/bf16
-      parameters, else in the parameter's dtype.
-    - ``adamw8bit`` / ``adam8bit`` / ``paged_adamw8bit`` (bitsandbytes): two uint8 states (``2 * n``) plus two
-      float32 absmax values per block of 256 elements; parameters with fewer than ``min_8bit_size`` elements,
-      and embedding weights when ``embedding_32bit`` is on, keep two float32 states (``8 * n``). The two
-      256-entry float32 quantization maps are shared by all 8-bit parameters and counted once (2048 bytes).
+    The plugin that knows ``name`` answers: every installed plugin (as `torchloom.installed_plugins` lists them,
+    so ``TORCHLOOM_PLUGINS`` limits them) that defines ``optimizer_names`` and a class-level
+    ``estimate_optimizer_memory(model, name, settings)`` is imported and asked (see the module docstring);
+    ``plugin`` asks one plugin only. For the built-in optimizer plugin the count is exactly what it logs as
+    ``optimizer/state_bytes`` after the first optimizer step; its page lists the formula per optimizer.
 
     Args:
         model (`torch.nn.Module`): the model, on any device (``meta`` works: nothing is allocated).
-        name (`str`, defaults to ``"adamw"``): one of ``adamw``, ``adafactor``, ``adamw8bit``, ``adam8bit``,
-            ``paged_adamw8bit``, ``sgd``.
-        **settings: the ``optimizer`` plugin's settings. Those that change the size are ``momentum`` (sgd,
-            default 0), ``min_8bit_size`` (default 4096) and ``embedding_32bit`` (default True); the others
-            (``lr``, ``betas``, ``weight_decay``, ...) are accepted and do not change it.
+        name (`str`, *optional*): an optimizer name that an installed plugin lists in ``optimizer_names``;
+            defaults to the first name of the one plugin that estimates.
+        plugin (`str | type | object`, *optional*): the plugin to ask, by installed name, or a plugin class or
+            object (one that is not installed, e.g. in a test); needed only when two plugins know ``name``.
+        **settings: the answering plugin's settings, as its config takes them (e.g. ``weight_decay=0.01``);
+            validated by that plugin.
 
     Returns:
         `int`: bytes. Parameters that never receive a gradient get no state, so a model with such parameters
         uses less than estimated.
 
     Raises:
-        ConfigError: an unknown optimizer name or setting.
+        ConfigError: no plugin knows ``name`` (the message lists the names the installed plugins know and
+            suggests the closest), two plugins know it and ``plugin`` is not given, or a bad setting.
+        PluginError: ``plugin`` names no installed plugin, or the plugin does not estimate optimizer memory,
+            or it answers something other than a number of bytes.
 
     Example:
 
     .. code-block:: python
 
         >>> model = torch.nn.Linear(1000, 1000)
-        >>> torchloom.estimate_optimizer_memory(model, "adamw")  # 2 * 1001000 * 4 + 2 * 4
+        >>> torchloom.estimate_optimizer_memory(model)  # the default optimizer of the plugin that estimates
         8008008
     """
-    if name not in OPTIMIZER_NAMES:
-        close = difflib.get_close_matches(str(name), OPTIMIZER_NAMES, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(
-            f"estimate_optimizer_memory: unknown optimizer {name!r}{hint} Valid: {', '.join(OPTIMIZER_NAMES)}"
-        )
-    unknown = sorted(set(settings) - set(_SETTINGS))
-    if unknown:
-        raise ConfigError(
-            f"estimate_optimizer_memory: unknown setting {unknown[0]!r}; valid settings: {', '.join(_SETTINGS)}"
-        )
-    params = [p for p in model.parameters() if p.requires_grad]  # parameters() yields a tied tensor once
-    if name == "adamw":
-        step_bytes = torch.tensor(0.0, dtype=_scalar_dtype(), device="meta").element_size()
-        return sum(2 * p.numel() * p.element_size() + step_bytes for p in params)
-    if name == "sgd":
-        momentum = settings.get("momentum") or 0.0
-        return sum(p.numel() * p.element_size() for p in params) if momentum != 0 else 0
-    if name == "adafactor":
-        return sum(_adafactor_bytes(p) for p in params)
-    # bitsandbytes 8-bit Adam
-    min_8bit_size = settings.get("min_8bit_size")
-    min_8bit_size = 4096 if min_8bit_size is None else min_8bit_size
-    embedding_32bit = settings.get("embedding_32bit")
-    embedding_32bit = True if embedding_32bit is None else embedding_32bit
-    forced_32bit = {id(p) for p in _embedding_weights(model)} if embedding_32bit else set()
-    total, any_8bit = 0, False
-    for p in params:
-        n = p.numel()
-        if n < min_8bit_size or id(p) in forced_32bit:
-            total += 2 * n * 4
-        else:
-            total += 2 * n + 2 * math.ceil(n / _BNB_BLOCKSIZE) * 4
-            any_8bit = True
-    return total + (_BNB_QMAP_BYTES if any_8bit else 0)
-
-
-def _embedding_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The weights of every `torch.nn.Embedding` in ``model`` (what the HF Trainer keeps in 32-bit state)."""
-    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-
-
-def _scalar_dtype() -> torch.dtype:
-    # torch.optim's ``step`` tensor: float64 when the default dtype is float64, else float32.
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _adafactor_bytes(p: torch.Tensor) -> int:
-    itemsize = 4 if p.dtype in (torch.float16, torch.bfloat16) else p.element_size()
-    shape = tuple(p.shape)
-    if len(shape) >= 2:
-        lead = math.prod(shape[:-2])
-        elements = lead * shape[-2] + lead * shape[-1]
+    if plugin is not None:
+        candidates = [_estimator(plugin)]
+        skipped: list[str] = []
     else:
-        elements = p.numel()
-    return (elements + 1) * itemsize  # + the 0-dim RMS
+        candidates, skipped = _installed_estimators()
+    if name is None:
+        if len(candidates) != 1:
+            raise ConfigError(_no_default_message(candidates, skipped))
+        name = candidates[0][1][0]
+    knowing = [c for c in candidates if name in c[1]]
+    if not knowing:
+        raise ConfigError(_unknown_name_message(name, candidates, skipped))
+    if len(knowing) > 1:
+        who = " and ".join(repr(c[0]) for c in knowing)
+        raise ConfigError(
+            f"estimate_optimizer_memory: optimizer {name!r} is known by plugins {who}; pass plugin=<name> to "
+            "choose the one whose optimizer you will enable"
+        )
+    plugin_name, _, obj = knowing[0]
+    try:
+        result = getattr(obj, ESTIMATE_ATTR)(model, name, dict(settings))
+    except ConfigError as exc:
+        raise ConfigError(f"estimate_optimizer_memory({name!r}): {exc}") from None
+    if isinstance(result, bool) or not isinstance(result, int) or result < 0:
+        raise PluginError(
+            f"plugin {plugin_name!r}: {ESTIMATE_ATTR}(model, {name!r}, settings) returned {result!r}; "
+            "expected a number of bytes (an int >= 0)"
+        )
+    return result
+
+
+Estimator = tuple[str, tuple[str, ...], Any]  # (plugin name, optimizer names, plugin class or object)
+
+
+def _estimator(plugin: Any) -> Estimator:
+    """The estimator of the one plugin the caller named (installed name, class or object)."""
+    obj = find_plugin(plugin).load() if isinstance(plugin, str) else plugin
+    label = plugin if isinstance(plugin, str) else _label(obj)
+    names = _names_of(obj)
+    if names is None:
+        raise PluginError(
+            f"plugin {label!r} does not estimate optimizer memory: it defines no {NAMES_ATTR!r} (a tuple of "
+            f"optimizer names) and {ESTIMATE_ATTR}(model, name, settings)"
+        )
+    return label, names, obj
+
+
+def _installed_estimators() -> tuple[list[Estimator], list[str]]:
+    """Every installed plugin that estimates, in name order; and why others could not be asked."""
+    found: list[Estimator] = []
+    skipped: list[str] = []
+    for plugin_name, registrations in installed_plugins().items():
+        if len(registrations) > 1:
+            skipped.append(f"{plugin_name!r} (registered by {len(registrations)} distributions)")
+            continue
+        try:
+            obj = registrations[0].load()
+        except PluginError:
+            skipped.append(f"{plugin_name!r} (failed to import)")
+            continue
+        names = _names_of(obj)
+        if names is not None:
+            found.append((plugin_name, names, obj))
+    return found, skipped
+
+
+def _label(obj: Any) -> str:
+    return getattr(obj, "name", "") or getattr(obj, "__qualname__", type(obj).__qualname__)
+
+
+def _names_of(obj: Any) -> tuple[str, ...] | None:
+    names = getattr(obj, NAMES_ATTR, None)
+    if not callable(getattr(obj, ESTIMATE_ATTR, None)) or isinstance(names, str | Mapping):
+        return None
+    try:
+        names = tuple(names)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return names if names and all(isinstance(n, str) for n in names) else None
+
+
+def _valid_names(candidates: list[Estimator]) -> str:
+    return "; ".join(f"{', '.join(names)} (plugin {label!r})" for label, names, _ in candidates)
+
+
+def _not_asked(skipped: list[str]) -> str:
+    return f". Not asked: {', '.join(skipped)}" if skipped else ""
+
+
+def _unknown_name_message(name: str, candidates: list[Estimator], skipped: list[str]) -> str:
+    if not candidates:
+        return (
+            f"estimate_optimizer_memory: unknown optimizer {name!r}: no installed plugin estimates optimizer "
+            f"memory (a plugin does by defining {NAMES_ATTR} and {ESTIMATE_ATTR}){_not_asked(skipped)}"
+        )
+    known = [n for _, names, _ in candidates for n in names]
+    close = difflib.get_close_matches(str(name), known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return f"estimate_optimizer_memory: unknown optimizer {name!r}{hint} Valid: {_valid_names(candidates)}" + (
+        _not_asked(skipped)
+    )
+
+
+def _no_default_message(candidates: list[Estimator], skipped: list[str]) -> str:
+    if not candidates:
+        return (
+            "estimate_optimizer_memory: no installed plugin estimates optimizer memory (a plugin does by "
+            f"defining {NAMES_ATTR} and {ESTIMATE_ATTR}){_not_asked(skipped)}"
+        )
+    return (
+        "estimate_optimizer_memory: several plugins estimate optimizer memory; name the optimizer. "
+        f"Valid: {_valid_names(candidates)}"
+    )

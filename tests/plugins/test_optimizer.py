@@ -8,6 +8,7 @@ its 8-bit blockwise Adam on CPU, so C16's state dtypes are checked here, not ski
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import pytest
@@ -16,7 +17,13 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import torchloom
 from torchloom.testing import TinyTask, tiny_fit
-from torchloom_plugins.optimizer import OptimizerSwap, decay_split, optimizer_state_bytes
+from torchloom_plugins.optimizer import (
+    OptimizerConfig,
+    OptimizerSwap,
+    decay_split,
+    estimate_state_bytes,
+    optimizer_state_bytes,
+)
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -424,3 +431,26 @@ def test_frozen_model_is_a_config_error(tmp_path):
 
     with pytest.raises(torchloom.ConfigError, match="no trainable parameters"):
         _fit({"name": "adamw"}, Frozen(), tmp_path)
+
+
+# ------------------------------------------------------------------------------------- memory estimate
+
+
+def test_the_plugin_answers_the_memory_estimate_for_every_name_it_builds(tmp_path):
+    """`OptimizerSwap.optimizer_names` are exactly the names its config takes (the first is its default), and its
+    classmethod `estimate_optimizer_memory` (the interface `torchloom.estimate_optimizer_memory` calls) equals the
+    state a real optimizer holds after one step."""
+    assert OptimizerSwap.optimizer_names == typing.get_args(typing.get_type_hints(OptimizerConfig)["name"])
+    assert OptimizerSwap.optimizer_names[0] == OptimizerConfig().name
+    model = TinyTask().configure_model()
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer.step()
+    estimate = OptimizerSwap.estimate_optimizer_memory(model, "sgd", {"momentum": 0.9})
+    assert (
+        estimate
+        == optimizer_state_bytes(optimizer)
+        == estimate_state_bytes(model, OptimizerConfig("sgd", momentum=0.9))
+    )
+    with pytest.raises(torchloom.ConfigError, match=r"'momentum'.*does not apply to optimizer 'adamw'"):
+        OptimizerSwap.estimate_optimizer_memory(model, "adamw", {"momentum": 0.9})
