@@ -95,7 +95,7 @@ FAMILIES = [
     ("other on_", r"^on_[a-z_]+$"),
     ("around", r"^(before|after)_[a-z_]+$"),
     ("run", r"^run_[a-z_]+$"),
-    ("teardown", r"^teardown$"),
+    ("lifecycle", r"^(setup|teardown)$"),
 ]
 
 
@@ -103,7 +103,7 @@ FAMILIES = [
 def test_hook_name_follows_a_family(name):
     assert any(re.match(pattern, name) for _, pattern in FAMILIES), f"hook {name} is in no naming family"
     returns = inspect.signature(HOOKS[name].spec.function).return_annotation
-    if name.startswith(("on_", "before_", "after_")) or name == "teardown":
+    if name.startswith(("on_", "before_", "after_")) or name in ("setup", "teardown"):
         assert returns == "None", f"{name}: notifications and before_/after_ hooks return None"
         assert not HOOKS[name].spec.opts.get("firstresult")
     if name.startswith("run_"):
@@ -111,7 +111,7 @@ def test_hook_name_follows_a_family(name):
 
 
 def test_family_check_rejects_bad_names():
-    for bad in ("train_step", "setup", "onfit_start", "configure", "before"):
+    for bad in ("train_step", "set_up", "onfit_start", "configure", "before"):
         assert not any(re.match(pattern, bad) for _, pattern in FAMILIES), bad
 
 

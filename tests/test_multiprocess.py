@@ -102,7 +102,7 @@ def test_logged_values_equal_across_ranks_and_one_process(ranks, single):
 def test_only_rank_zero_writes(ranks):
     out, (r0, r1) = ranks
     assert r0["on_log_calls"] == len(r0["history"]) > 0
-    assert r1["on_log_calls"] == 0
+    assert r1["on_log_calls"] == r0["on_log_calls"] and r1["history"] == r0["history"]  # on_log on every rank
     assert not (out / "run-rank1").exists()  # rank 1 created nothing at all
     lines = (out / "run-rank0" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
@@ -161,3 +161,32 @@ def test_ranks_with_different_numbers_of_batches_stop_with_a_clear_error_not_a_h
         assert r["error"].startswith("the processes have different numbers of training batches (rank 0: 2, rank 1: 4)")
         assert r["trained_steps"] == 0
     assert not (tmp_path / "run" / "model").exists()
+
+
+# ------------------------------------------------------------------------------------ issue 7 on 2 processes
+
+
+@pytest.fixture(scope="module")
+def seams(tmp_path_factory):
+    return torchrun("seams.py", tmp_path_factory.mktemp("seams"), nproc=2)
+
+
+def test_a_value_only_the_main_process_logs_in_validation_is_a_clear_error_not_a_hang(seams):
+    for r in seams:
+        assert r["main_only_error"] == (
+            "every process must log the same names between two logging steps; got rank 0: ['val/main_only']; rank 1: []"
+        )
+
+
+def test_a_replacing_step_keeps_grad_clip_and_local_sgd_working(seams):
+    r0, r1 = (r["replaced"] for r in seams)
+    assert r0["steps"] == r1["steps"] == 4  # 16 samples, batch 2, 2 ranks: 4 optimizer steps, all replaced
+    assert len(r0["norms"]) == 4 and all(n <= 0.01 * (1 + 1e-5) for n in r0["norms"] + r1["norms"])  # clipped
+    assert all(isinstance(v, float) for v in r0["grad_norm_logged"])  # grad_clip logged every step
+    assert r0["num_averages"] == r1["num_averages"] == 2  # LocalSGD averaged after steps 2 and 4
+    assert r0["params"] == r1["params"]  # and the final average makes the ranks equal
+
+
+def test_on_log_sees_the_same_values_on_every_rank(seams):
+    r0, r1 = (r["replaced"]["on_log"] for r in seams)
+    assert len(r0) == 4 and r0 == r1

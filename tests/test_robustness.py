@@ -176,7 +176,8 @@ def test_a_value_logged_after_a_fit_does_not_leak_into_the_next_validation(tmp_p
     engine = torchloom.Engine(output_dir=str(tmp_path))
     task = TinyTask()
     engine.fit(task)
-    task.log("stale", 123.0)
+    with pytest.raises(RuntimeError, match=r"log\('stale'\) called outside Engine.fit / validate / predict"):
+        task.log("stale", 123.0)  # no run is active: nowhere to log to
     assert set(engine.validate(task)) == {"val/loss"}
 
 

@@ -12,6 +12,8 @@ from torchloom.memory import estimate_optimizer_memory
 from torchloom.module import TaskModule
 from torchloom.plugins import Plugin, PluginInfo, build_config, enable_plugins, installed_plugins
 from torchloom.progress import Progress
+from torchloom.state import load_plugin_state, save_plugin_state
+from torchloom.step import StepHooks
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,7 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "Progress",
+    "StepHooks",
     "TaskError",
     "TaskModule",
     "TorchloomError",
@@ -34,4 +37,6 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "installed_plugins",
+    "load_plugin_state",
+    "save_plugin_state",
 ]

@@ -1,10 +1,8 @@
-"""The engine's own hook implementations, registered like any plugin (pytest's runner.py pattern)."""
+"""The default ``run_train_step``, registered like any plugin (pytest's runner.py pattern)."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import warnings
 from typing import Any
 
@@ -13,7 +11,7 @@ import torch
 from torchloom.errors import TaskError
 from torchloom.hookspecs import hookimpl
 
-__all__ = ["DefaultTrainStep", "MetricsFile"]
+__all__ = ["DefaultTrainStep", "as_outputs"]
 
 
 class DefaultTrainStep:
@@ -28,8 +26,6 @@ class DefaultTrainStep:
     name = "torchloom.default_step"
 
     def __init__(self, skip_nonfinite: bool = False) -> None:
-        self.relay: Any = None  # set by the engine once the relay exists
-        self.log: Any = None
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss in this fit
         self.scaler_skipped_steps = 0  # optimizer steps the fp16 loss scaler skipped (an overflow) in this fit
@@ -40,22 +36,18 @@ class DefaultTrainStep:
         self.skipped_steps, self.scaler_skipped_steps, self._window_nonfinite = 0, 0, None
 
     @hookimpl(trylast=True)
-    def run_train_step(self, task, model, optimizer, scheduler, accelerator, batch, progress) -> dict[str, Any]:
-        relay = self.relay
+    def run_train_step(self, task, model, optimizer, scheduler, accelerator, batch, progress, hooks) -> dict[str, Any]:
         outputs = as_outputs(task.training_step(batch, progress.batch_idx), "training_step")
         loss = outputs["loss"]
         if self.skip_nonfinite:
             bad = ~torch.isfinite(loss.detach())
             self._window_nonfinite = bad if self._window_nonfinite is None else self._window_nonfinite | bad
-        if relay.implemented("before_backward"):
-            relay.call("before_backward", outputs=outputs, accelerator=accelerator, progress=progress)
+        hooks.before_backward(outputs, accelerator, progress)
         accelerator.backward(outputs["loss"])  # divides by gradient_accumulation_steps
         if accelerator.sync_gradients and self.skip_nonfinite and self._skip_window(accelerator, progress):
             optimizer.zero_grad(set_to_none=True)  # the window's gradients are dropped; nothing else moves
         elif accelerator.sync_gradients:
-            kwargs = dict(model=model, optimizer=optimizer, accelerator=accelerator, progress=progress, log=self.log)
-            if relay.implemented("before_optimizer_step"):
-                relay.call("before_optimizer_step", **kwargs)
+            hooks.before_optimizer_step(model, optimizer, accelerator, progress)
             optimizer.step()
             # An fp16 overflow makes the loss scaler skip optimizer.step(); the schedule must not advance. (Only
             # with a scaler is this more than False, and then Accelerate has already synced to find out.)
@@ -64,8 +56,7 @@ class DefaultTrainStep:
             elif scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            if relay.implemented("after_optimizer_step"):
-                relay.call("after_optimizer_step", scheduler=scheduler, **kwargs)
+            hooks.after_optimizer_step(model, optimizer, scheduler, accelerator, progress)
         outputs["loss"] = loss.detach()
         return outputs
 
@@ -136,36 +127,3 @@ def _check_num_items(count: Any, where: str) -> None:
             f"{where} returned num_items={count!r}; expected the number of items (samples, labelled tokens) its "
             "loss is a mean over: an integer >= 0 or a 0-dim tensor"
         )
-
-
-class MetricsFile:
-    """Writes every ``on_log`` call as one JSON line to ``<output_dir>/metrics.jsonl`` (main process)."""
-
-    name = "torchloom.metrics_file"
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self._file: Any = None  # appends: the engine empties the file when a fit starts
-
-    @hookimpl
-    def on_log(self, metrics: dict[str, float], progress) -> None:
-        if self._file is None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in teardown)
-        record = {"step": progress.global_step, "epoch": progress.epoch, **metrics}
-        # Strict JSON: a non-finite value (a NaN loss, an fp16 overflow's inf gradient norm) is written as the
-        # string "NaN" / "Infinity" / "-Infinity", which float() reads back.
-        record = {
-            k: v
-            if not isinstance(v, float) or math.isfinite(v)
-            else str(v).replace("inf", "Infinity").replace("nan", "NaN")
-            for k, v in record.items()
-        }
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-
-    @hookimpl
-    def teardown(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None

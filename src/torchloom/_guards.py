@@ -6,6 +6,7 @@ return, whether the ranks iterate the same number of batches, and whether the tr
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -13,13 +14,16 @@ from typing import Any
 
 import torch
 
-from torchloom.errors import ConfigError, TaskError
+from torchloom.errors import ConfigError, PluginError, TaskError
 
 __all__ = [
+    "NEGATIVE_ITEMS",
+    "TrainingChecks",
     "check_finite_parameters",
     "check_model",
     "check_optimizer_parameters",
     "check_same_length",
+    "check_step_outputs",
     "eval_mode",
     "nonfinite_loss_error",
     "optimizer_steps",
@@ -192,6 +196,61 @@ def check_same_length(accelerator: Any, dataloader: Any, what: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ non-finite
+
+
+#: Internal log name: the share of micro-batches whose tensor ``num_items`` was negative (`TrainingChecks`).
+NEGATIVE_ITEMS = "torchloom/negative_num_items"
+
+
+class TrainingChecks:
+    """Checks the reduced training values of the optimizer steps since the previous logging step.
+
+    The values are reduced over the ranks, so every rank decides alike (no rank raises alone).
+
+    Args:
+        nonfinite_loss (`str`): `EngineConfig.nonfinite_loss`; only ``"error"`` raises for a non-finite loss.
+    """
+
+    def __init__(self, nonfinite_loss: str) -> None:
+        self.nonfinite_loss = nonfinite_loss
+        self.checked_step = 0  # the optimizer steps up to here were checked
+        self.scaler_skips = 0  # fp16 loss-scaler skips up to checked_step
+
+    def check(self, loss: float | None, negative_items: float, progress: Any, scaler_skips: int) -> None:
+        """Check one reduction: ``loss`` is the reduced ``train/loss`` (``None`` if nothing was trained),
+        ``negative_items`` the share of micro-batches with a negative tensor ``num_items``, ``scaler_skips`` the
+        fit's count of steps the fp16 loss scaler skipped.
+
+        Raises:
+            TaskError: a negative ``num_items``, or a non-finite loss in a step the loss scaler did not skip.
+        """
+        first, last = self.checked_step + 1, progress.global_step
+        self.checked_step = last
+        # Under fp16 a non-finite loss gives non-finite gradients, which the loss scaler skips (and lowers its
+        # scale): an overflow it handles, not a failure.
+        overflowed, self.scaler_skips = scaler_skips > self.scaler_skips, scaler_skips
+        if negative_items > 0:
+            raise TaskError(
+                f"training_step returned a negative num_items in {optimizer_steps(first, last)}; num_items counts "
+                "the items (samples, labelled tokens) its loss is a mean over: it must be >= 0"
+            )
+        if loss is not None and self.nonfinite_loss == "error" and not math.isfinite(loss) and not overflowed:
+            raise nonfinite_loss_error(loss, first, last, progress.epoch)
+
+
+def check_step_outputs(outputs: Any, wrappers: list[str]) -> dict[str, Any]:
+    """Return the outputs of ``run_train_step`` if they are a dict with ``"loss"``.
+
+    Raises:
+        PluginError: anything else: a ``run_train_step`` wrapper (one of ``wrappers``) dropped the result.
+    """
+    if not isinstance(outputs, dict) or "loss" not in outputs:
+        who = f"plugin {wrappers[0]!r}" if len(wrappers) == 1 else f"one of the plugins {wrappers}"
+        raise PluginError(
+            f"run_train_step returned {type(outputs).__name__} instead of the step's outputs (a dict with 'loss'): "
+            f"{who} wraps run_train_step and must return the inner result, `return (yield)`"
+        )
+    return outputs
 
 
 def optimizer_steps(first: int, last: int) -> str:

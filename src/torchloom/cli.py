@@ -11,6 +11,10 @@ subclass + ``init_args``), ``data`` (same for a `DataModule`, optional) and ``pl
 (``name: {settings}``). The directory of the ``--config`` file is put on ``sys.path``, so tasks defined
 next to it import by module name.
 Errors caused by bad input print one line and exit with status 2; no traceback.
+
+The command is a client of torchloom's public API (the names in ``torchloom.__all__``), as a plugin is: it
+builds and composes plugins through `torchloom.Engine` (``Engine.hook_order`` for the call order) and lists
+them with `torchloom.installed_plugins`; ``tests/test_cli_public_api.py`` checks its imports.
 """
 
 from __future__ import annotations
@@ -18,17 +22,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import pluggy
 import yaml
 
-from torchloom._default_step import DefaultTrainStep, MetricsFile
-from torchloom.config import EngineConfig
-from torchloom.data.module import DataModule
-from torchloom.errors import TorchloomError
-from torchloom.module import TaskModule
-from torchloom.plugins import HookRelay, enable_plugins, installed_plugins, plugin_name
+import torchloom
+from torchloom import DataModule, EngineConfig, TaskModule, TorchloomError
 
 __all__ = ["main"]
 
@@ -82,8 +83,6 @@ def _build_parser() -> Any:
 
 
 def _run_command(parser: Any, cfg: Any, command: str) -> int:
-    from torchloom.engine import Engine
-
     resolved = yaml.safe_load(parser.dump(cfg, skip_unset=False))[command]
     resolved.pop("config", None)
     try:
@@ -93,7 +92,7 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
         if cause is None:
             raise
         raise cause from None
-    engine = Engine(objects.engine, plugins=objects.plugins)
+    engine = torchloom.Engine(objects.engine, plugins=objects.plugins)
     resolved["plugins"] = engine.resolved_plugin_settings()  # with every default filled in
     engine.run_config = resolved
     task, data = objects.task, objects.data
@@ -115,7 +114,7 @@ def _plugins_command(cfg: Any) -> int:
     if cfg.config:
         return _plugin_order(cfg.config, as_json=cfg.json)
     rows = []
-    for name, registrations in installed_plugins().items():
+    for name, registrations in torchloom.installed_plugins().items():
         for info in registrations:
             row: dict[str, Any] = {
                 "name": name,
@@ -151,15 +150,18 @@ def _plugins_command(cfg: Any) -> int:
 
 
 def _implemented_hooks(obj: Any) -> list[str]:
-    from torchloom import hookspecs
-
-    marker = f"{hookspecs.PROJECT_NAME}_impl"
-    return [n for n in hookspecs.HOOK_NAMES if getattr(getattr(obj, n, None), marker, None) is not None]
+    """The methods of a plugin (class, object or module) marked with `torchloom.hookimpl`, in the order its
+    classes define them (base classes first), read with pluggy's own parser: nothing is called."""
+    pm = pluggy.PluginManager(torchloom.hookimpl.project_name)
+    classes = obj.__mro__ if isinstance(obj, type) else type(obj).__mro__
+    namespaces: list[Mapping[str, Any]] = [vars(k) for k in reversed(classes)]
+    if not isinstance(obj, type):  # an object or a module: its own attributes too
+        namespaces.append(getattr(obj, "__dict__", {}))
+    names = dict.fromkeys(n for namespace in namespaces for n in namespace if not n.startswith("_"))
+    return [n for n in names if pm.parse_hookimpl_opts(obj, n) is not None]
 
 
 def _plugin_order(path: str, as_json: bool) -> int:
-    from torchloom import hookspecs
-
     try:
         with open(path, encoding="utf-8") as f:
             config = yaml.safe_load(f) or {}
@@ -169,10 +171,9 @@ def _plugin_order(path: str, as_json: bool) -> int:
         raise TorchloomError(f"plugins --config: {path!r} is not valid YAML: {exc}") from None
     if not isinstance(config, dict):
         raise TorchloomError(f"plugins --config: {path!r} holds a {type(config).__name__}; expected a mapping")
-    plugins = enable_plugins(config.get("plugins"))
-    relay = HookRelay([*plugins, DefaultTrainStep(), MetricsFile(os.devnull)])  # as the engine registers them
-    order = {name: relay.call_order(name) for name in hookspecs.HOOK_NAMES if relay.implemented(name)}
-    enabled = [plugin_name(p) for p in plugins]
+    engine = torchloom.Engine(plugins=config.get("plugins"))  # enables the plugins; builds and runs nothing
+    order = engine.hook_order()  # composed as a run composes them
+    enabled = list(engine.resolved_plugin_settings())
     if as_json:
         print(json.dumps({"enabled": enabled, "hooks": order}, indent=2))
         return 0

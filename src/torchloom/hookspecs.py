@@ -18,6 +18,7 @@ what it did before the plugins listed after it. ``tryfirst`` / ``trylast`` overr
 
 Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at the end of each epoch::
 
+    setup                                     1x (stage "fit"): the first hook of every fit / validate / predict
     configure_accelerator                     1x
     configure_model                           1x
     configure_optimizers                      1x (first non-None result wins, else the task's)
@@ -32,11 +33,11 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
                 before_optimizer_step         1x per optimizer step (when gradients sync)
                 after_optimizer_step          1x per optimizer step
             on_train_batch_end                1x per micro-batch
-            on_log                            every log_every_n_steps optimizer steps (main process)
+            on_log                            every log_every_n_steps optimizer steps
         on_validation_start                   1x per validation pass
             on_validation_batch_end           1x per validation batch
         on_validation_end                     1x per validation pass
-        on_log                                after each validation pass that logged something (main process)
+        on_log                                after each validation pass that logged something
         on_train_epoch_end                    1x per epoch
     on_log                                    once more if anything is still buffered
     on_train_end                              1x, when training completed: before the model is saved
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from torchloom.config import EngineConfig
     from torchloom.module import TaskModule
     from torchloom.progress import Progress
+    from torchloom.step import StepHooks
 
 __all__ = ["HOOK_NAMES", "PROJECT_NAME", "hookimpl", "hookspec"]
 
@@ -74,6 +76,28 @@ LogFn = Callable[..., None]
 # --------------------------------------------------------------------------------------------------------
 # Set-up
 # --------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def setup(config: EngineConfig, stage: str) -> None:
+    """Called when a ``fit``, ``validate`` or ``predict`` call starts, before any other hook of that call.
+
+    **Fires:** once per call, on every rank, first: before ``configure_accelerator`` (no Accelerator exists
+    yet), and also when ``validate`` / ``predict`` reuse the model of the last fit and run no set-up hook.
+    ``teardown(stage)`` ends the same call; the engine calls a plugin's hooks only between the two, so a
+    plugin can open what it needs here and close it in ``teardown``, and start each call with fresh state.
+
+    :param config: the loop settings (read only).
+    :param stage: ``"fit"``, ``"validate"`` or ``"predict"``.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def setup(self, stage):
+            self.seen = 0  # per-call state, reset at every call
+    """
 
 
 @hookspec
@@ -228,6 +252,7 @@ def run_train_step(
     accelerator: Accelerator,
     batch: Any,
     progress: Progress,
+    hooks: StepHooks,
 ) -> dict[str, Any] | None:
     """Run one training micro-batch: forward, backward and, when gradients sync, the optimizer step.
 
@@ -236,14 +261,18 @@ def run_train_step(
     The default implementation (``trylast``, plugin name ``torchloom.default_step``) does::
 
         outputs = task.training_step(batch, progress.batch_idx)    # a loss, or a dict with "loss"
-        before_backward(outputs=outputs, ...)                      # may replace outputs["loss"]
+        hooks.before_backward(outputs, ...)                        # may replace outputs["loss"]
         accelerator.backward(outputs["loss"])                      # divides by gradient_accumulation_steps
         if accelerator.sync_gradients:                             # last micro-batch of a window
-            before_optimizer_step(...)                             # unscaled grads; clip here
+            hooks.before_optimizer_step(model, optimizer, ...)     # unscaled grads; clip here
             optimizer.step()
             if not optimizer.step_was_skipped: scheduler.step()   # fp16 overflow skips both
             optimizer.zero_grad(set_to_none=True)
-            after_optimizer_step(...)
+            hooks.after_optimizer_step(model, optimizer, scheduler, ...)
+
+    An implementation that *replaces* the step (returns a result before the default runs: a two-pass SAM
+    step, a GAN step) fires the three step hooks through ``hooks`` at the same points, so that gradient
+    clipping, LocalSGD, the accumulation rescale and learning-rate logging keep working.
 
     Context-type techniques wrap it instead of replacing it, the way pytest's capture plugin wraps
     ``pytest_runtest_call``:
@@ -263,9 +292,12 @@ def run_train_step(
         micro-batch ends an accumulation window (set by ``accelerator.accumulate``).
     :param batch: the micro-batch, on the device.
     :param progress: counters for this micro-batch.
+    :param hooks: a `torchloom.StepHooks`: ``hooks.before_backward(...)``, ``hooks.before_optimizer_step(...)``,
+        ``hooks.after_optimizer_step(...)`` fire those hooks; ``hooks.log`` buffers a value for logging.
 
     **Returns:** the step's outputs as a dict whose ``"loss"`` is the raw, detached micro-batch loss
-    (0-dim tensor, not divided by the accumulation steps). Stops at the first non-None result.
+    (0-dim tensor, not divided by the accumulation steps). Stops at the first non-None result. A result that
+    is not such a dict (a wrapper that forgot ``return (yield)``) is a `PluginError` naming the wrappers.
     """
 
 
@@ -468,16 +500,21 @@ def on_predict_end(predictions: list[Any], accelerator: Accelerator) -> None:
 
 
 @hookspec
-def on_log(metrics: dict[str, float], progress: Progress) -> None:
-    """Called with reduced logged values: write them to a tracker here.
+def on_log(metrics: dict[str, float], progress: Progress, accelerator: Accelerator) -> None:
+    """Called with reduced logged values: write them to a tracker, or base a decision on them, here.
 
-    **Fires:** on the main process only, when something was logged since the previous call: every
-    ``log_every_n_steps`` optimizer steps, after every validation pass, and once at the end of the fit.
-    Each value is the weighted mean, over all ranks and over the micro-batches since the previous call,
-    of what was passed to ``log``. Only names logged since the previous call appear.
+    **Fires:** on every rank, with the same values on every rank, when something was logged since the
+    previous call: training values every ``log_every_n_steps`` optimizer steps and once more at the end of
+    training; validation values after every validation pass (training and validation values are reduced
+    separately). Each value is the weighted mean, over all ranks and over the micro-batches (or validation
+    batches) since the previous call, of what was passed to ``log``. Only names logged since the previous call
+    appear. A decision taken here (early stopping, keeping the best checkpoint) is the same on every rank.
+    Write files and trackers on the main process only (``accelerator.is_main_process``; Accelerate's
+    ``accelerator.log`` does so itself).
 
     :param metrics: name -> value (plain Python floats); do not mutate.
     :param progress: counters at the time of logging (``global_step`` counts the step just taken).
+    :param accelerator: the run's Accelerator.
     """
 
 
@@ -548,15 +585,15 @@ def on_fit_end(accelerator: Accelerator, task: TaskModule, model: torch.nn.Modul
 
 
 @hookspec
-def teardown(accelerator: Accelerator, stage: str) -> None:
+def teardown(accelerator: Accelerator | None, stage: str) -> None:
     """Release what the plugin holds (files, threads, contexts). Always runs, also after an exception.
 
-    **Fires:** once at the end of every ``fit`` / ``validate`` / ``predict`` call, on every rank; also when
-    set-up fails after the Accelerator was built (then ``on_fit_end`` does not fire). Every plugin's
+    **Fires:** once at the end of every ``fit`` / ``validate`` / ``predict`` call, on every rank: it closes
+    what ``setup`` opened, also when the set-up failed (then ``on_fit_end`` does not fire). Every plugin's
     ``teardown`` runs even if another's raises: the error reported is the first one (the original error of
     the run, if it failed), and the later ones are attached to it as notes.
 
-    :param accelerator: the run's Accelerator.
+    :param accelerator: the run's Accelerator; ``None`` when it could not be built.
     :param stage: ``"fit"``, ``"validate"`` or ``"predict"``.
     """
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchloom._logging import log_to_active_run
 from torchloom.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class TaskModule:
     num_training_steps: int | None = None
 
     def __init__(self) -> None:
-        self._log_fn: Any = None
+        pass
 
     # -------------------------------------------------------------------------------------- to override
 
@@ -215,10 +216,12 @@ class TaskModule:
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
         """Buffer a value for logging, without a host-device sync.
 
-        Values are summed on their device and reduced once every ``log_every_n_steps`` optimizer steps
-        (and after each validation pass): what reaches ``on_log`` and ``metrics.jsonl`` is the
-        ``weight``-weighted mean over the micro-batches (or validation batches) and all ranks since the
-        last reduction. Every rank must log the same names (checked at each reduction: a `TaskError` otherwise).
+        Values are summed on their device. Values logged during training are reduced once every
+        ``log_every_n_steps`` optimizer steps and at the end of training; values logged during a validation
+        pass (``validation_step``, the validation hooks) are reduced separately, right after the pass. What
+        reaches ``on_log`` and ``metrics.jsonl`` is the ``weight``-weighted mean over the micro-batches (or
+        validation batches) and all ranks since the last reduction, the same on every rank. Every rank must
+        log the same names (checked at each reduction: a `TaskError` otherwise).
 
         Args:
             name (`str`): the metric name, e.g. ``"val/accuracy"``.
@@ -226,9 +229,7 @@ class TaskModule:
             weight (`torch.Tensor` or `float`, defaults to 1.0): e.g. the number of samples it averages.
 
         Raises:
-            RuntimeError: called before an engine set the task up (``fit``, ``validate`` or ``predict``).
+            RuntimeError: called outside ``Engine.fit``, ``validate`` or ``predict``.
             ValueError: ``value`` has more than one element.
         """
-        if self._log_fn is None:
-            raise RuntimeError(f"{type(self).__name__}.log({name!r}) called before Engine.fit/validate/predict")
-        self._log_fn(name, value, weight)
+        log_to_active_run(name, value, weight)

@@ -446,6 +446,20 @@ class HookRelay:
                 failures.append(exc)
         return failures
 
+    def call_cleanup(self, hook_name: str, error: BaseException | None, **kwargs: Any) -> BaseException | None:
+        """`call_all` for a clean-up hook; return the error in charge.
+
+        With ``error`` (the run already failed), failures are attached to it as notes and it stays the one
+        reported. Otherwise the first failure is returned, with the later ones as notes, for the caller to raise
+        once every clean-up hook has run.
+        """
+        for failure in self.call_all(hook_name, **kwargs):
+            if error is None:
+                error = failure
+            elif hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(f"torchloom: during clean-up, hook {hook_name!r} also raised {failure!r}")
+        return error
+
     def wrappers(self, hook_name: str) -> list[str]:
         """Names of the plugins that wrap ``hook_name`` (``wrapper=True``), outermost first."""
         impls = reversed(getattr(self._forward.hook, hook_name).get_hookimpls())

@@ -101,7 +101,7 @@ def tiny_fit(plugins: PluginSpec = None, task: TaskModule | None = None, **setti
 
 class RecordingPlugin:
     """Records every hook call, in order, as ``(hook_name, progress)``; ``progress`` is ``None`` for hooks
-    without one, and the stage string (``"fit"``, ...) for ``teardown``.
+    without one, and the stage string (``"fit"``, ...) for ``setup`` and ``teardown``.
 
     ``calls`` holds just the hook names. ``run_train_step`` is recorded by a wrapper, so the default step
     (or any other) still runs.
@@ -118,6 +118,10 @@ class RecordingPlugin:
 
     def _record(self, hook: str, progress: Any = None) -> None:
         self.records.append((hook, progress))
+
+    @hookimpl
+    def setup(self, stage) -> None:
+        self._record("setup", stage)
 
     @hookimpl
     def configure_accelerator(self) -> None:

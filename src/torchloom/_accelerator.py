@@ -1,0 +1,127 @@
+"""The Accelerator of a run and the lifetime of the process group.
+
+Everything here touches Accelerate's per-process state: merging the plugins' ``Accelerator`` settings,
+resetting the singletons that one run leaves behind for the next, joining several CPU processes into one gloo
+group, and releasing the process group when the process ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DataLoaderConfiguration, str_to_bool
+
+from torchloom.config import EngineConfig
+from torchloom.errors import ConfigError, PluginError
+from torchloom.plugins import HookRelay
+
+__all__ = ["LIST_KWARGS", "build_accelerator", "note_run_failed"]
+
+
+#: Accelerator arguments that are lists: fragments from several plugins are concatenated, not compared.
+LIST_KWARGS = ("kwargs_handlers", "log_with")
+
+
+def build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
+    """Merge the plugins' Accelerator settings and build the Accelerator.
+
+    Two plugins giving one key different values is a `PluginError` naming both; list-valued keys
+    (`LIST_KWARGS`) are concatenated in plugin order.
+    """
+    kwargs: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for name, fragment in relay.call_each("configure_accelerator", config=config):
+        if fragment is None:
+            continue
+        if not isinstance(fragment, Mapping):
+            raise PluginError(f"plugin {name!r}: configure_accelerator returned {fragment!r}; expected a dict or None")
+        for key, value in fragment.items():
+            if key in LIST_KWARGS:  # handlers and trackers from several plugins add up
+                kwargs[key] = [*kwargs.get(key, []), *value]
+                owners[key] = f"{owners[key]}, {name}" if key in owners else name
+                continue
+            if key in kwargs and kwargs[key] != value:
+                raise PluginError(
+                    f"plugins {owners[key]!r} and {name!r} both set Accelerator({key}=...): "
+                    f"{kwargs[key]!r} vs {value!r}; configure it in one plugin"
+                )
+            kwargs[key], owners[key] = value, name
+    if config.seed is not None:
+        # The shuffle of every epoch is drawn from seed + epoch (Accelerate's SeedableRandomSampler, as in the HF
+        # Trainer), not from a generator that Accelerate would otherwise attach to the user's sampler and that
+        # keeps advancing: the same seed gives the same data order, also with the same DataLoader passed again.
+        kwargs.setdefault(
+            "dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed)
+        )
+    if _cpu_only_multiprocess_launch():
+        # Without cpu=True, Accelerate on a machine without GPUs would run every torchrun process as an
+        # independent single-process job. With it, the processes form one gloo data-parallel group.
+        kwargs.setdefault("cpu", True)
+    # AcceleratorState is a per-process singleton: clear the previous run's settings (mixed precision,
+    # accumulation) so that several engines can run one after another in one process. The process group
+    # (PartialState) is kept.
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(**kwargs)
+    except (TypeError, ValueError) as exc:
+        who = ", ".join(f"{k} from {owners[k]!r}" for k in kwargs if k in owners)
+        raise ConfigError(f"cannot build the Accelerator ({who or 'defaults'}): {exc}") from None
+    if accelerator.num_processes > 1:
+        _release_process_group_at_exit()
+    return accelerator
+
+
+_PROCESS_GROUP_RELEASE_REGISTERED = False
+_RUN_FAILED = False  # a fit / validate / predict raised in this process: do not wait for the others at exit
+
+
+def note_run_failed() -> None:
+    global _RUN_FAILED
+    _RUN_FAILED = True
+
+
+def _release_process_group_at_exit() -> None:
+    """Destroy the default process group when the process ends (registered once, on a multi-process run).
+
+    A process that exits with its gloo / NCCL process group still alive can abort in the C++ destructors
+    ("terminate called without an active exception"), making ``torchrun`` report a failure after a
+    successful run. PyTorch asks for ``destroy_process_group()`` at the end of a program; several fits in
+    one process share the group, so this waits until the process ends.
+    """
+    global _PROCESS_GROUP_RELEASE_REGISTERED
+    if _PROCESS_GROUP_RELEASE_REGISTERED:
+        return
+    _PROCESS_GROUP_RELEASE_REGISTERED = True
+
+    def release() -> None:
+        state = PartialState()
+        # sys.last_value is set by an uncaught exception; _RUN_FAILED by a run that raised, even if caught.
+        exiting_on_error = _RUN_FAILED or getattr(sys, "last_value", None) is not None
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and not exiting_on_error:
+            # Every process reaches the end before any tears its connections down; otherwise a peer still
+            # holding the group can abort (gloo: "terminate called without an active exception") when the
+            # first one closes it. Skipped after an error: the other processes may never get here.
+            torch.distributed.barrier()
+        state.destroy_process_group()  # Accelerate's, with its fork-launch guard
+
+    atexit.register(release)
+
+
+def _cpu_only_multiprocess_launch() -> bool:
+    """A launch of several processes (``WORLD_SIZE`` > 1) on a machine without CUDA, unless the user set
+    ``ACCELERATE_USE_CPU`` to a false value (read as Accelerate reads it)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    explicit = os.environ.get("ACCELERATE_USE_CPU")
+    try:
+        opted_out = explicit is not None and not str_to_bool(explicit, to_bool=True)
+    except ValueError:  # not a boolean word: Accelerate would reject it itself
+        opted_out = False
+    return world_size > 1 and not torch.cuda.is_available() and not opted_out

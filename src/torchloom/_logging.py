@@ -1,0 +1,106 @@
+"""Logged values of a run: buffered on the device per stage, reduced over the ranks in one collective, kept.
+
+`TaskModule.log` and the ``log`` argument of hooks write into the run that is active in this thread (a
+`contextvars.ContextVar`), so the engine writes nothing onto the user's task. Training and validation values
+go to separate buffers: a validation pass reduces only what it logged, and a training window is never split
+between two records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+
+from torchloom._logbuffer import LogBuffer
+
+__all__ = ["INTERNAL_PREFIX", "RunLog", "log_to_active_run"]
+
+#: Names under this prefix are the engine's own checks: reduced with the rest, never reported.
+INTERNAL_PREFIX = "torchloom/"
+
+_ACTIVE: ContextVar[RunLog | None] = ContextVar("torchloom_active_run_log", default=None)
+
+
+def log_to_active_run(name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+    """Buffer a value in the run active in this thread (see `TaskModule.log`).
+
+    Raises:
+        RuntimeError: no ``fit`` / ``validate`` / ``predict`` is running.
+    """
+    run_log = _ACTIVE.get()
+    if run_log is None:
+        raise RuntimeError(f"log({name!r}) called outside Engine.fit / validate / predict")
+    run_log.log(name, value, weight)
+
+
+class RunLog:
+    """The logged values of one engine: a training and a validation `LogBuffer`, the records, the latest values.
+
+    Attributes:
+        history (`list[dict]`): every reduction of the run: ``step``, ``epoch`` and the reduced names.
+        latest (`dict[str, float]`): the latest reduced value of every name.
+    """
+
+    def __init__(self) -> None:
+        self.train, self.val = LogBuffer(), LogBuffer()
+        self._buffer = self.train
+        self.history: list[dict[str, Any]] = []
+        self.latest: dict[str, float] = {}
+
+    def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+        """Add a value to the buffer of the current stage (validation inside `validating`, else training)."""
+        self._buffer.log(name, value, weight)
+
+    def clear(self) -> None:
+        """Forget everything: buffers, history and latest values (a new run starts)."""
+        self.train.clear()
+        self.val.clear()
+        self.history, self.latest = [], {}
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this the run that `log_to_active_run` (and so `TaskModule.log`) writes into."""
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    @contextmanager
+    def validating(self) -> Iterator[None]:
+        """Send what is logged to the validation buffer."""
+        previous, self._buffer = self._buffer, self.val
+        try:
+            yield
+        finally:
+            self._buffer = previous
+
+    @contextmanager
+    def discarding(self) -> Iterator[None]:
+        """Check what is logged (types, shapes) and drop it: the sanity pass."""
+        previous, self._buffer = self._buffer, LogBuffer()
+        try:
+            yield
+        finally:
+            self._buffer = previous
+
+    def reduce(self, buffer: LogBuffer, accelerator: Any, step: int, epoch: int) -> tuple[dict[str, float], dict]:
+        """Reduce ``buffer`` over the ranks and record the result; return ``(reported, internal)`` values.
+
+        Every rank must call this at the same point of the run: it enters one collective whatever this rank
+        buffered (on several processes), so a rank that logged nothing still meets the others. The values are
+        the same on every rank. Internal names (`INTERNAL_PREFIX`) are returned apart and not recorded.
+
+        Raises:
+            TaskError: the ranks logged different names.
+        """
+        metrics = buffer.reduce(accelerator)
+        internal = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(INTERNAL_PREFIX)]}
+        if metrics:
+            self.latest.update(metrics)
+            self.history.append({"step": step, "epoch": epoch, **metrics})
+        return metrics, internal

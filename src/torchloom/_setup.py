@@ -1,0 +1,234 @@
+"""Setting a run up: the data, the model, the optimizer and ``accelerator.prepare``, with the checks that make a
+bad task or data fail here, before the first step, rather than half-way through a fit."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from torchloom._guards import (
+    check_model,
+    check_optimizer_parameters,
+    check_same_length,
+    eval_mode,
+    split_optimizers,
+    stop_iteration,
+    train_mode_unless_chosen,
+)
+from torchloom._runfiles import MetricsFile, start_run_files
+from torchloom.config import EngineConfig
+from torchloom.errors import ConfigError, PluginError
+from torchloom.module import TaskModule
+from torchloom.plugins import HookRelay
+
+__all__ = ["Run", "check_validation_step", "engine_relay", "prepare_run", "reuse_run", "sanity_check"]
+
+
+@dataclass
+class Run:
+    """What one fit / validate / predict call built (prepared by Accelerate)."""
+
+    accelerator: Accelerator
+    relay: HookRelay
+    model: torch.nn.Module
+    optimizer: Any = None
+    scheduler: Any = None
+    train_dataloader: Any = None
+    val_dataloader: Any = None
+    predict_dataloader: Any = None
+
+
+def prepare_run(
+    task: TaskModule,
+    stage: str,
+    config: EngineConfig,
+    relay: HookRelay,
+    accelerator: Accelerator,
+    datamodule: Any,
+    loaders: Mapping[str, Any],
+    run_config: Mapping[str, Any],
+) -> Run:
+    """Data, model, optimizer and ``accelerator.prepare``; for a fit, ``config.yaml`` last (nothing half-written).
+
+    Args:
+        loaders: the dataloaders passed explicitly (``train_dataloader``, ``val_dataloader``,
+            ``predict_dataloader``); the others come from the datamodule, then the task.
+        run_config: what ``config.yaml`` records.
+
+    Raises:
+        ConfigError: missing or empty training data, validation data without ``validation_step``, a
+            ``val_check_interval`` the fit never reaches.
+        TaskError: ``configure_model`` / ``configure_optimizers`` returned something that cannot be trained.
+        PluginError: two plugins answered ``configure_optimizers``.
+    """
+    if config.seed is not None:
+        set_seed(config.seed)
+    if datamodule is not None:
+        if accelerator.is_local_main_process:  # once per machine (a download, a tokenisation), others wait
+            datamodule.prepare_data()
+        accelerator.wait_for_everyone()
+        datamodule.setup(stage)
+    train_dl, val_dl, predict_dl = _dataloaders(task, stage, datamodule, loaders)
+    if val_dl is not None:
+        check_validation_step(task)
+    model = check_model(task.configure_model(), task)
+    task.model, task.accelerator = model, accelerator
+    relay.call("configure_model", model=model, task=task, accelerator=accelerator)
+
+    optimizer = scheduler = None
+    if stage == "fit":
+        train_mode_unless_chosen(model)
+        task.num_training_steps = steps = _num_training_steps(config, train_dl, accelerator)
+        interval = config.val_check_interval
+        if val_dl is not None and interval and steps and interval > steps:
+            raise ConfigError(
+                f"engine setting 'val_check_interval': got {interval}, but this fit takes only {steps} optimizer "
+                f"steps, so validation would never run; use a value <= {steps}, or null to validate at the end of "
+                "each epoch"
+            )
+        optimizer, scheduler = _configure_optimizers(task, model, relay, accelerator)
+        check_optimizer_parameters(optimizer, model)
+        model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+        # The scheduler is stepped by the default step once per real optimizer step, so it is not prepared
+        # (Accelerate would step it num_processes times per call); it is still saved by accelerator.save_state.
+        if scheduler is not None:
+            accelerator.register_for_checkpointing(scheduler)
+    else:
+        model = accelerator.prepare(model)
+    val_dl = accelerator.prepare(val_dl) if val_dl is not None else None
+    predict_dl = accelerator.prepare(predict_dl) if predict_dl is not None else None
+    task.model = model
+    if accelerator.is_main_process and stage == "fit":
+        start_run_files(config.output_dir, run_config)
+    return Run(accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl)
+
+
+def reuse_run(run: Run, task: TaskModule, stage: str, loaders: Mapping[str, Any]) -> Run:
+    """``validate`` / ``predict`` with the model of the last fit: prepare only the data they were given (a
+    ``predict`` without data uses the task's ``predict_dataloader``; a ``validate`` without, the fit's)."""
+    if stage == "predict":
+        loader = loaders.get("predict_dataloader")
+        loader = task.predict_dataloader() if loader is None else loader
+        run.predict_dataloader = run.accelerator.prepare(loader) if loader is not None else None
+    elif loaders.get("val_dataloader") is not None:
+        run.val_dataloader = run.accelerator.prepare(loaders["val_dataloader"])
+    return run
+
+
+def engine_relay(plugins: list[Any], default_step: Any, metrics_path: str) -> HookRelay:
+    """The enabled plugins in the user's order, then the engine's own implementations (the default step, the
+    ``metrics.jsonl`` writer), registered as every run registers them."""
+    return HookRelay([*plugins, default_step, MetricsFile(metrics_path)])
+
+
+def sanity_check(task: TaskModule, run: Run, num_batches: int, logs: Any) -> None:
+    """Run ``validation_step`` on ``num_batches`` validation batches before training: nothing logged, no hooks,
+    module modes and random state as they were (so the run trains exactly as without it).
+
+    Raises:
+        TaskError: the processes have different numbers of validation batches.
+    """
+    loader, acc = run.val_dataloader, run.accelerator
+    if num_batches == 0 or loader is None:
+        return
+    check_same_length(acc, loader, "validation")
+    devices = [acc.device.index or 0] if acc.device.type == "cuda" else []
+    try:
+        with logs.discarding(), eval_mode(run.model), torch.no_grad(), torch.random.fork_rng(devices):
+            for batch_idx, batch in zip(range(num_batches), loader):
+                task.validation_step(batch, batch_idx)
+    finally:
+        stop_iteration(loader)
+
+
+def check_validation_step(task: TaskModule) -> None:
+    """Raise if ``task`` has validation data to run but no ``validation_step``.
+
+    Raises:
+        ConfigError: ``validation_step`` is `TaskModule`'s own.
+    """
+    if type(task).validation_step is TaskModule.validation_step:
+        raise ConfigError(
+            f"{type(task).__name__} got validation data but defines no validation_step(batch, batch_idx); define "
+            "it, or pass no validation data"
+        )
+
+
+def _dataloaders(task: TaskModule, stage: str, datamodule: Any, loaders: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """``(train, val, predict)``: the ones passed, else the datamodule's, else the task's (only what ``stage`` uses)."""
+    sources = [s for s in (datamodule, task) if s is not None]
+
+    def pick(name: str) -> Any:
+        given = loaders.get(name)
+        return given if given is not None else next((d for s in sources if (d := getattr(s, name)()) is not None), None)
+
+    train = val = predict = None
+    if stage == "fit":
+        train = pick("train_dataloader")
+        if train is None:
+            raise ConfigError("fit: no training data (pass train_dataloader, a datamodule, or define train_dataloader)")
+        if _length(train) == 0:
+            raise ConfigError(
+                "fit: the training dataloader has no batches (an empty dataset, or fewer samples than batch_size "
+                "with drop_last=True); nothing would be trained"
+            )
+    if stage in ("fit", "validate"):
+        val = pick("val_dataloader")
+    if stage == "predict":
+        predict = pick("predict_dataloader")
+    return train, val, predict
+
+
+def _configure_optimizers(
+    task: TaskModule, model: torch.nn.Module, relay: HookRelay, accelerator: Accelerator
+) -> tuple[torch.optim.Optimizer, Any]:
+    """The optimizer and scheduler from the one plugin that answers ``configure_optimizers``, else the task.
+
+    Raises:
+        PluginError: two plugins answered (the first would silently win).
+        TaskError: the answer is not an optimizer, ``(optimizer, scheduler)`` or a dict of them.
+    """
+    answers = [
+        (name, spec)
+        for name, spec in relay.call_each(
+            "configure_optimizers",
+            model=model,
+            task=task,
+            accelerator=accelerator,
+            num_training_steps=task.num_training_steps,
+        )
+        if spec is not None
+    ]
+    if len(answers) > 1:
+        raise PluginError(
+            f"plugins {answers[0][0]!r} and {answers[1][0]!r} both answer configure_optimizers; enable one of them "
+            "(each would build the optimizer)"
+        )
+    if answers:
+        return split_optimizers(answers[0][1], f"plugin {answers[0][0]!r}: configure_optimizers")
+    return split_optimizers(task.configure_optimizers(), f"{type(task).__name__}.configure_optimizers()")
+
+
+def _num_training_steps(config: EngineConfig, train_dataloader: Any, accelerator: Accelerator) -> int | None:
+    """Optimizer steps the fit will take (see the ``configure_optimizers`` hook), before anything is prepared."""
+    batches = _length(train_dataloader)
+    if batches is None:  # an iterable dataset without a length
+        return config.max_steps
+    if accelerator.num_processes > 1 and not accelerator.split_batches:  # the shard of rank 0
+        n = accelerator.num_processes
+        batches = batches // n if getattr(train_dataloader, "drop_last", False) else math.ceil(batches / n)
+    total = math.ceil(batches / accelerator.gradient_accumulation_steps) * config.max_epochs
+    return total if config.max_steps is None else min(total, config.max_steps)
+
+
+def _length(dataloader: Any) -> int | None:
+    try:
+        return len(dataloader)
+    except TypeError:  # an iterable dataset without a length
+        return None
