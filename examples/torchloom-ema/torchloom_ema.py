@@ -96,7 +96,7 @@ class EMA(torchloom.Plugin):
 
     @torchloom.hookimpl
     def after_optimizer_step(self, optimizer: Any) -> None:
-        if self._shadow is None or getattr(optimizer, "step_was_skipped", False):
+        if getattr(optimizer, "step_was_skipped", False):  # an fp16 overflow: the weights did not move
             return
         self.steps += 1
         if self.steps % self.config.every:
@@ -109,7 +109,7 @@ class EMA(torchloom.Plugin):
 
     @torchloom.hookimpl
     def on_validation_start(self, model: torch.nn.Module) -> None:
-        if not self.config.validate_with_ema or self._shadow is None or self._backup is not None:
+        if not self.config.validate_with_ema or self._shadow is None:  # no average yet: a validate before any fit
             return
         params = _parameters(model)
         if len(params) != len(self._params) or any(p is not q for p, q in zip(params, self._params)):

@@ -12,8 +12,8 @@ Method card
 - **Hooks:** ``on_fit_start`` enters the context; ``after_optimizer_step`` calls ``step()`` (it fires once per
   optimizer step, never per micro-batch, whatever the accumulation or the number of parameter groups);
   ``on_train_end`` exits it (the final average, before the engine saves the model, so the saved model is the
-  averaged one on every process); after an exception, which ``on_exception`` records, ``teardown`` leaves it
-  without that average, since another process may never reach that collective.
+  averaged one on every process); when the fit failed, ``on_train_end`` never fires and ``teardown`` leaves
+  the context without that average, since another process may never reach that collective.
   ``state_dict`` / ``load_state_dict`` carry the step counter (one int) through
   ``torchloom.save_plugin_state`` / ``load_plugin_state``, so a resumed run averages on the same optimizer steps.
 - **Guarantees:** right after each averaging the parameters are bitwise equal on every process and are the
@@ -87,7 +87,6 @@ class LocalSGDPlugin(torchloom.Plugin):
         self._stack: contextlib.ExitStack | None = None
         self._num_steps = 0  # kept here too, so load_state_dict works before or after on_fit_start
         self.num_averages = 0
-        self._failed = False
 
     @property
     def num_steps(self) -> int:
@@ -108,7 +107,7 @@ class LocalSGDPlugin(torchloom.Plugin):
                 stacklevel=2,
             )
         local_sgd.num_steps = self._num_steps
-        self.num_averages, self._failed = 0, False
+        self.num_averages = 0
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(local_sgd)  # enters model.no_sync(): no gradient all-reduce from here on
         self._local_sgd = local_sgd
@@ -116,36 +115,29 @@ class LocalSGDPlugin(torchloom.Plugin):
     @torchloom.hookimpl
     def after_optimizer_step(self) -> None:
         local_sgd = self._local_sgd
-        if local_sgd is None:
-            return
+        assert local_sgd is not None  # on_fit_start made it: step hooks fire only inside a fit
         local_sgd.step()  # averages when num_steps % sync_every == 0 (and only with several processes)
         if local_sgd.enabled and local_sgd.num_steps % self.config.sync_every == 0:
             self.num_averages += 1
 
     @torchloom.hookimpl
-    def on_exception(self) -> None:
-        # Another process may never reach the final average (a collective): leave without it.
-        self._failed = True
-
-    @torchloom.hookimpl
     def on_train_end(self) -> None:
-        self._close()  # the final average: before the model is saved
+        # Training completed on every process: LocalSGD.__exit__ averages once more (before the engine saves the
+        # model), then leaves no_sync().
+        self._release().close()
 
     @torchloom.hookimpl
     def teardown(self) -> None:
-        self._close()
+        # Still open only when the fit failed: another process may never reach the final average (a
+        # collective), so the context is dropped without it.
+        if self._stack is not None:
+            self._release().pop_all()
 
-    def _close(self) -> None:
-        if self._stack is None:
-            return
+    def _release(self) -> contextlib.ExitStack:
         stack, self._stack = self._stack, None
-        if self._local_sgd is not None:
-            self._num_steps = self._local_sgd.num_steps
-        self._local_sgd = None
-        if self._failed:
-            stack.pop_all()  # drop the context unexited: no final average after an exception
-        else:
-            stack.close()  # LocalSGD.__exit__: average once more, then leave no_sync()
+        assert stack is not None and self._local_sgd is not None
+        self._num_steps, self._local_sgd = self._local_sgd.num_steps, None
+        return stack
 
     # ---------------------------------------------------------------------------------------- checkpoints
 
