@@ -8,8 +8,10 @@ group, and releasing the process group when the process ends.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,12 +91,19 @@ def note_run_failed() -> None:
 
 
 def _release_process_group_at_exit() -> None:
-    """Destroy the default process group when the process ends (registered once, on a multi-process run).
+    """Close the default process group when the process ends (registered once, on a multi-process run).
 
-    A process that exits with its gloo / NCCL process group still alive can abort in the C++ destructors
-    ("terminate called without an active exception"), making ``torchrun`` report a failure after a
-    successful run. PyTorch asks for ``destroy_process_group()`` at the end of a program; several fits in
-    one process share the group, so this waits until the process ends.
+    ``destroy_process_group()`` alone does not end a gloo group: it drops only ``torch.distributed``'s own
+    references, while every DDP model and ``torch.distributed.nn.functional`` still hold the group (see
+    `_drop_process_group_references`). Its gloo threads then outlive the atexit handlers and are torn down in the
+    middle of interpreter finalization, racing it: a worker that still has to free a tensor owned by Python needs
+    the GIL, and a thread that takes the GIL once finalization has begun is ended by the interpreter
+    (``pthread_exit`` unwinding through a ``noexcept`` destructor): "terminate called without an active
+    exception", SIGABRT, and ``torchrun`` reports a failure after a successful run. So the handler drops those
+    references and releases the last one itself, after a barrier on success (every process is done with the
+    group): the group's destructor joins the gloo threads while Python is fully alive. It runs in a helper
+    thread with a bounded wait, so that a collective left queued by a failed run (a peer that never comes) cannot
+    hold the exit. Several fits in one process share the group, so this waits until the process ends.
     """
     global _PROCESS_GROUP_RELEASE_REGISTERED
     if _PROCESS_GROUP_RELEASE_REGISTERED:
@@ -102,17 +111,42 @@ def _release_process_group_at_exit() -> None:
     _PROCESS_GROUP_RELEASE_REGISTERED = True
 
     def release() -> None:
-        state = PartialState()
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or PartialState().fork_launched:
+            return  # nothing to release, or Accelerate's notebook launcher owns the group
         # sys.last_value is set by an uncaught exception; _RUN_FAILED by a run that raised, even if caught.
-        exiting_on_error = _RUN_FAILED or getattr(sys, "last_value", None) is not None
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and not exiting_on_error:
-            # Every process reaches the end before any tears its connections down; otherwise a peer still
-            # holding the group can abort (gloo: "terminate called without an active exception") when the
-            # first one closes it. Skipped after an error: the other processes may never get here.
-            torch.distributed.barrier()
-        state.destroy_process_group()  # Accelerate's, with its fork-launch guard
+        failed = _RUN_FAILED or getattr(sys, "last_value", None) is not None
+        if not failed:  # after an error the other processes may never get here
+            dist.barrier()
+        last_reference = [dist.group.WORLD]
+        _drop_process_group_references(last_reference[0])
+        dist.destroy_process_group()
+        joiner = threading.Thread(target=last_reference.clear, name="torchloom-release-process-group", daemon=True)
+        del last_reference  # the thread's list now holds the only reference the engine has
+        joiner.start()
+        joiner.join(timeout=10.0 if failed else 60.0)
 
     atexit.register(release)
+
+
+def _drop_process_group_references(group: Any) -> None:
+    """Drop the references to ``group`` that outlive ``destroy_process_group()``.
+
+    Every ``DistributedDataParallel`` model holds it (``process_group``, and in C++ through its ``reducer`` and
+    ``logger``); the functions of ``torch.distributed.nn.functional`` hold it as the default of their ``group``
+    argument (``group=group.WORLD``, evaluated when that module was imported after the group was created), where
+    ``None`` means the same group. Only at exit: the DDP models are unusable afterwards.
+    """
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    for obj in gc.get_objects():
+        if issubclass(type(obj), ddp_type):  # type(), not isinstance(): no __class__ lookups on proxies
+            for attr in ("logger", "reducer", "process_group"):
+                obj.__dict__.pop(attr, None)
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(functional).values() if functional is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(d is group for d in defaults):
+            fn.__defaults__ = tuple(None if d is group else d for d in defaults)
 
 
 def _cpu_only_multiprocess_launch() -> bool:
