@@ -20,7 +20,8 @@ What happens:
 2. ``FineFoodsClassifier``: ``AutoModelForSequenceClassification`` (2 labels, new head) + AdamW + linear warmup
    and decay from transformers' ``get_scheduler``; validation logs ``val/accuracy``, ``val/loss`` and
    ``val/majority_rate`` (the accuracy of always answering the training set's most frequent label).
-3. ``<output_dir>/model`` holds the fine-tuned model and its tokenizer;
+3. ``<output_dir>/latest/model`` (the run directory ``<output_dir>/version_N`` of the last completed fit) holds the
+   fine-tuned model and its tokenizer;
    ``AutoModelForSequenceClassification.from_pretrained`` loads it.
 
 Everything runs in fp32 (on CPUs without bf16 units, bf16 autocast is slower, not faster).

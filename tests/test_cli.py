@@ -48,12 +48,12 @@ def test_fit_writes_resolved_config_and_metrics(project: Path) -> None:
         "fit", "--config", "config.yaml", "--engine.max_epochs=3", "--task.init_args.batch_size=8", cwd=project
     )
     assert proc.returncode == 0, proc.stderr
-    resolved = yaml.safe_load((project / "run" / "config.yaml").read_text())
+    resolved = yaml.safe_load((project / "run" / "version_0" / "config.yaml").read_text())
     # The override on the command line wins over the file; unspecified fields are filled with defaults.
     assert resolved["engine"]["max_epochs"] == 3
     assert resolved["engine"]["seed"] == 0
     assert resolved["task"]["init_args"] == {"lr": 0.05, "batch_size": 8, "n": 32}
-    records = [json.loads(line) for line in (project / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (project / "run" / "version_0" / "metrics.jsonl").read_text().splitlines()]
     # 32 samples / batch 8 = 4 optimizer steps per epoch, 3 epochs, a train/loss record every 2 steps.
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == [2, 4, 6, 8, 10, 12]
@@ -85,7 +85,7 @@ def test_user_errors_are_one_line_without_traceback(project: Path, override: str
     assert proc.stderr.startswith("torchloom: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert not (project / "run" / "config.yaml").exists()  # nothing half-written
+    assert not list((project / "run").rglob("config.yaml"))  # nothing half-written
 
 
 def test_plugins_lists_installed_builtins(tmp_path: Path) -> None:
@@ -124,8 +124,8 @@ def test_validate_and_predict_commands(project: Path) -> None:
     proc = run_cli("validate", "--config", "config.yaml", cwd=project)
     assert proc.returncode == 0, proc.stderr
     assert "val/loss = " in proc.stdout
-    assert not (project / "run" / "config.yaml").exists()  # only fit writes the run's config
-    records = [json.loads(line) for line in (project / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert (project / "run" / "version_0" / "config.yaml").is_file()  # validate has a run directory of its own
+    records = [json.loads(line) for line in (project / "run" / "version_0" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 1 and records[0]["step"] == 0 and records[0]["val/loss"] > 0
     proc = run_cli("predict", "--config", "config.yaml", "--task.init_args.n=32", cwd=project)
     assert proc.returncode == 2 and "predict: no data" in proc.stderr  # the task defines no predict data

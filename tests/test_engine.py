@@ -420,10 +420,12 @@ def test_config_yaml_and_metrics_jsonl_written(tmp_path):
 
     out = tmp_path / "run"
     engine = fit(tmp_path, [Configured(alpha=2)], max_epochs=2, output_dir=str(out))
+    assert engine.run_dir == str(out / "version_0")
+    out = out / "version_0"
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["engine"]["max_epochs"] == 2
     assert config["engine"]["log_every_n_steps"] == 1
-    assert config["engine"]["output_dir"] == str(out)
+    assert config["engine"]["output_dir"] == str(out.parent)
     assert config["plugins"] == {"configured": {"alpha": 2.0, "tags": ["x"]}}
 
     lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -520,7 +522,7 @@ def test_configure_optimizers_returning_garbage_is_a_clear_error(tmp_path, garba
     out = tmp_path / "run"
     with pytest.raises(torchloom.TaskError, match=r"configure_optimizers\(\) returned .*; expected an optimizer"):
         fit(tmp_path, task=Garbage(), output_dir=str(out))
-    assert not (out / "config.yaml").exists()
+    assert not list((out).rglob("config.yaml"))
 
 
 def test_no_training_data_is_a_clear_error(tmp_path):
@@ -531,7 +533,7 @@ def test_no_training_data_is_a_clear_error(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(torchloom.ConfigError, match="fit: no training data"):
         fit(tmp_path, task=NoData(), output_dir=str(out))
-    assert not (out / "config.yaml").exists()
+    assert not list((out).rglob("config.yaml"))
 
 
 def test_validate_without_data_is_a_clear_error(tmp_path):
@@ -566,8 +568,8 @@ def test_several_fits_in_one_process(tmp_path):
     assert engine.history == history  # reset per fit, and deterministic (seed 0)
     for a, b in zip(params(task1), params(task2), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    lines = (tmp_path / "2" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines[-len(history) :]] == history
+    lines = (tmp_path / "2" / "version_1" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == history
 
 
 def test_teardown_runs_when_set_up_fails(tmp_path):
@@ -584,18 +586,19 @@ def test_teardown_runs_when_set_up_fails(tmp_path):
         engine.fit(TinyTask())
     assert recorder.calls[-1] == "teardown"
     assert "on_fit_end" not in recorder.calls
-    assert not (tmp_path / "config.yaml").exists()
+    assert not list((tmp_path).rglob("config.yaml"))
 
 
-def test_each_fit_starts_a_fresh_metrics_file(tmp_path):
+def test_each_call_writes_its_own_run_directory(tmp_path):
     engine = torchloom.Engine(max_epochs=1, log_every_n_steps=1, output_dir=str(tmp_path))
     engine.fit(TinyTask())
-    first = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first = (tmp_path / "version_0" / "metrics.jsonl").read_text()
     engine.fit(TinyTask())
-    second = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(second) == len(first) == len(engine.history)
-    engine.validate(TinyTask())  # a standalone validation adds its record to the same file
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == len(first) + 1
+    second = (tmp_path / "version_1" / "metrics.jsonl").read_text().splitlines()
+    assert len(second) == len(first.splitlines()) == len(engine.history)
+    engine.validate(TinyTask())  # a standalone validation writes its record into a directory of its own
+    assert len((tmp_path / "version_2" / "metrics.jsonl").read_text().splitlines()) == 1
+    assert (tmp_path / "version_0" / "metrics.jsonl").read_text() == first  # no run touched another's files
 
 
 def test_list_valued_accelerator_settings_from_two_plugins_are_concatenated(tmp_path):

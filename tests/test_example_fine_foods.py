@@ -72,10 +72,10 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
     result = subprocess.run([*command, f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    config = yaml.safe_load((out / "config.yaml").read_text())
+    config = yaml.safe_load((out / "latest" / "config.yaml").read_text())
     assert config["data"]["init_args"]["max_train_samples"] == 64
     assert config["task"]["class_path"] == "fine_foods.FineFoodsClassifier"
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "latest" / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in records if "val/accuracy" in r][-1]  # validation values are a record of their own
     training = [r for r in records if "train/loss" in r][-1]
     assert final["step"] == training["step"] == 4  # 64 reviews / batch 16, one epoch
@@ -85,9 +85,9 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
 
     # The saved directory is a complete model + tokenizer: reloaded, it reproduces the logged accuracy and
     # loss over the same 64 validation reviews exactly.
-    model = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
+    model = AutoModelForSequenceClassification.from_pretrained(out / "latest" / "model").eval()
     assert model.config.id2label == {0: "other", 1: "great"}
-    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    tokenizer = AutoTokenizer.from_pretrained(out / "latest" / "model")
     data = fine_foods.FineFoodsData(**SMALL)
     data.prepare_data()
     data.setup("validate")
@@ -116,13 +116,13 @@ def test_python_fit_saves_the_trained_model(fine_foods, tmp_path, threads):
     engine = torchloom.Engine(**{**config["engine"], "output_dir": str(tmp_path)})
     metrics = engine.fit(task, datamodule=data)
 
-    assert engine.progress.global_step == 4 and (tmp_path / "metrics.jsonl").is_file()
+    assert engine.progress.global_step == 4 and (tmp_path / "latest" / "metrics.jsonl").is_file()
     assert 0.0 <= metrics["val/accuracy"] <= 1.0
     # The majority baseline is the share of the most frequent training label among the validation reviews.
     majority = Counter(list(data.train_dataset["labels"])).most_common(1)[0][0]
     assert metrics["val/majority_rate"] == pytest.approx(list(data.val_dataset["labels"]).count(majority) / 64)
 
-    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "model").eval()
+    reloaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "latest" / "model").eval()
     trained = task.accelerator.unwrap_model(task.model).eval()
     batch = next(iter(data.val_dataloader()))
     with torch.no_grad():
@@ -159,9 +159,9 @@ def test_techniques_config_composes_all_plugins_on_the_real_model(fine_foods, tm
     command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(config), *overrides]
     result = subprocess.run([*command, f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    resolved = yaml.safe_load((out / "latest" / "config.yaml").read_text())
     assert list(resolved["plugins"]) == ["grad_accum", "mixed_precision", "grad_checkpoint", "optimizer"]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 4  # 64 reviews / micro-batch 8 = 8 micro-batches / 2 per step
     state_bytes = [r["optimizer/state_bytes"] for r in records if "optimizer/state_bytes" in r]
     model = AutoModelForSequenceClassification.from_pretrained(fine_foods.default_model_path(), num_labels=2)

@@ -104,11 +104,13 @@ def test_only_rank_zero_writes(ranks):
     assert r0["on_log_calls"] == len(r0["history"]) > 0
     assert r1["on_log_calls"] == r0["on_log_calls"] and r1["history"] == r0["history"]  # on_log on every rank
     assert not (out / "run-rank1").exists()  # rank 1 created nothing at all
-    lines = (out / "run-rank0" / "metrics.jsonl").read_text().splitlines()
+    lines = (out / "run-rank0" / "version_0" / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert records[:-1] == r0["history"]  # the fit's records, then the extra validation's
-    assert records[-1]["val/loss"] == pytest.approx(r0["uneven_val_loss"])
-    assert (out / "run-rank0" / "config.yaml").exists()
+    assert records == r0["history"]  # the fit's records, and only those
+    assert (out / "run-rank0" / "version_0" / "config.yaml").exists()
+    # the extra validation wrote its record into a run directory of its own, not the fit's file
+    (validation,) = [json.loads(line) for line in (out / "run-rank0" / "version_1" / "metrics.jsonl").open()]
+    assert validation["val/loss"] == pytest.approx(r0["uneven_val_loss"])
 
 
 def test_validation_on_an_uneven_set_counts_each_sample_once(ranks, single):
@@ -160,7 +162,7 @@ def test_ranks_with_different_numbers_of_batches_stop_with_a_clear_error_not_a_h
     for r in results:
         assert r["error"].startswith("the processes have different numbers of training batches (rank 0: 2, rank 1: 4)")
         assert r["trained_steps"] == 0
-    assert not (tmp_path / "run" / "model").exists()
+    assert not list((tmp_path / "run").glob("*/model"))
 
 
 # ------------------------------------------------------------------------------------ issue 7 on 2 processes

@@ -53,7 +53,7 @@ def small_task() -> TinyTask:
 
 
 def assert_nothing_written(out: Path) -> None:
-    assert not (out / "config.yaml").exists()
+    assert not list((out).rglob("config.yaml"))
     assert not out.exists() or not any(out.iterdir())
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,7 +94,7 @@ def test_an_empty_dataloader_given_explicitly_is_used_not_replaced(tmp_path):
     empty = DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1)), batch_size=4)
     with pytest.raises(torchloom.ConfigError, match="the training dataloader has no batches"):
         engine.fit(TinyTask(), train_dataloader=empty, val_dataloader=empty)
-    assert not (tmp_path / "model").exists()
+    assert not list((tmp_path).rglob("model"))
 
 
 def test_an_iterable_dataset_without_a_length_trains(tmp_path):
@@ -123,19 +124,23 @@ def test_values_logged_by_a_failed_run_do_not_leak_into_the_next(tmp_path):
     assert all("boom/marker" not in record for record in engine.history)
 
 
-def test_config_and_metrics_of_one_output_dir_belong_to_one_run(tmp_path):
-    tiny_fit(output_dir=str(tmp_path), max_epochs=2)
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) > 0
+def test_a_failed_run_never_touches_the_previous_good_run(tmp_path):
+    tiny_fit(output_dir=str(tmp_path), max_epochs=2, save_model=True)
+    good = {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "version_0").rglob("*") if p.is_file()}
+    assert len((tmp_path / "version_0" / "metrics.jsonl").read_text().splitlines()) > 0
 
     class FailsFirstStep(TinyTask):
         def training_step(self, batch, batch_idx):
             raise RuntimeError("first step fails")
 
     with pytest.raises(RuntimeError):
-        tiny_fit(task=FailsFirstStep(), output_dir=str(tmp_path), max_epochs=1)
-    # The new config.yaml was written, so the old run's metrics are gone with it.
-    assert "max_epochs: 1" in (tmp_path / "config.yaml").read_text()
-    assert (tmp_path / "metrics.jsonl").read_text() == ""
+        tiny_fit(task=FailsFirstStep(), output_dir=str(tmp_path), max_epochs=1, save_model=True)
+    # The failed run has its own directory, with its own config.yaml (and an empty metrics.jsonl); the good run's
+    # files are byte for byte as they were, and latest still names it.
+    assert "max_epochs: 1" in (tmp_path / "version_1" / "config.yaml").read_text()
+    assert (tmp_path / "version_1" / "metrics.jsonl").read_text() == ""
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in (tmp_path / "version_0").rglob("*") if p.is_file()} == good
+    assert (tmp_path / "latest").resolve() == (tmp_path / "version_0").resolve()
 
 
 def test_cli_reports_a_config_error_raised_by_a_task_init_in_one_line(tmp_path):
@@ -187,8 +192,8 @@ def test_metrics_jsonl_is_strict_json_with_non_finite_values(tmp_path):
             self.log("overflow", float("inf"))
             return super().training_step(batch, batch_idx) * float("nan")
 
-    tiny_fit(task=NanLoss(validate=False), output_dir=str(tmp_path), max_epochs=1, nonfinite_loss="ignore")
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    engine = tiny_fit(task=NanLoss(validate=False), output_dir=str(tmp_path), max_epochs=1, nonfinite_loss="ignore")
+    lines = (Path(engine.run_dir) / "metrics.jsonl").read_text().splitlines()
 
     def strict(token):
         raise ValueError(f"non-standard JSON token {token}")

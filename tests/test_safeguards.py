@@ -116,7 +116,7 @@ def test_the_saved_model_is_the_model_after_on_train_end(tmp_path):
     rec = RecordingPlugin()
     task = TinyTask(n=8, batch_size=4)
     tiny_fit([WeightSwap(), rec], task=task, output_dir=str(tmp_path), save_model=True)
-    saved = load_file(tmp_path / "model" / "model.safetensors")
+    saved = load_file(tmp_path / "latest" / "model" / "model.safetensors")
     model = task.accelerator.unwrap_model(task.model)
     assert saved.keys() == model.state_dict().keys()
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
@@ -134,7 +134,7 @@ def test_on_train_end_does_not_fire_after_an_exception(tmp_path):
         tiny_fit([rec], task=Fails(), output_dir=str(tmp_path), save_model=True)
     assert "on_train_end" not in rec.calls
     assert rec.calls[-3:] == ["on_exception", "on_fit_end", "teardown"]
-    assert not (tmp_path / "model").exists()
+    assert not list((tmp_path).rglob("model"))
 
 
 # ------------------------------------------------------------------------------------------- 4. seeds
@@ -207,7 +207,7 @@ def test_a_non_finite_loss_stops_the_run_naming_the_steps_and_saves_nothing(tmp_
     with pytest.raises(torchloom.TaskError, match=f"training loss became (nan|{value}) in {where}") as info:
         tiny_fit([rec], task=task, output_dir=str(tmp_path), save_model=True, log_every_n_steps=log_every)
     assert "on_exception" in rec.calls and "on_train_end" not in rec.calls
-    assert not (tmp_path / "model").exists()
+    assert not list((tmp_path).rglob("model"))
     assert "nonfinite_loss" in str(info.value)
     if log_every == 1:  # checked at the first logging step after it: training stopped right there
         assert rec.calls.count("run_train_step") == 3
@@ -236,7 +236,7 @@ def test_skip_drops_exactly_the_steps_with_a_non_finite_loss(tmp_path):
     assert skipped.scheduler.last_epoch == 7  # but the schedule advanced only for the 7 real steps
     # the NaN is not averaged into train/loss: only the step that had nothing else to log shows it
     assert [math.isfinite(r["train/loss"]) for r in engine.history] == [True, True, False, *[True] * 5]
-    assert (tmp_path / "a" / "model" / "model.safetensors").exists()
+    assert (tmp_path / "a" / "latest" / "model" / "model.safetensors").exists()
 
 
 def test_ignore_trains_on(tmp_path):
@@ -256,7 +256,7 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
     with pytest.raises(torchloom.TaskError, match="NaN or infinite weights; it is not saved"):
         tiny_fit(task=NanGradientLastStep(n=16, batch_size=4), output_dir=str(tmp_path), save_model=True)
-    assert not (tmp_path / "model").exists()
+    assert not list((tmp_path).rglob("model"))
 
 
 def test_nonfinite_loss_setting_is_validated():
@@ -294,7 +294,7 @@ def test_a_training_dataloader_that_yields_nothing_is_an_error(tmp_path):
     loader = DataLoader(tiny_dataset(8), batch_size=2, sampler=Nothing())
     with pytest.raises(torchloom.ConfigError, match="yielded no batches in epoch 0"):
         torchloom.Engine(output_dir=str(tmp_path), save_model=True).fit(TinyTask(validate=False), loader)
-    assert not (tmp_path / "model").exists()
+    assert not list((tmp_path).rglob("model"))
 
 
 def _returning(value_fn: Any) -> TinyTask:

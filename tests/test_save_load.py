@@ -89,7 +89,7 @@ def assert_same_weights(model: torch.nn.Module, trained: dict[str, torch.Tensor]
 
 def test_a_plain_module_with_tied_weights_reloads_with_the_tie_kept(tmp_path):
     trained = fit_and_save(TiedTask(), tmp_path)
-    directory = tmp_path / "model"
+    directory = tmp_path / "latest" / "model"
     assert (directory / "model.safetensors").is_file()
     fresh = TiedLM()
     assert not torch.equal(fresh.embed.weight, trained["embed.weight"])  # the load below is what makes them equal
@@ -117,7 +117,7 @@ def test_the_documented_task_pattern_loads_weights_in_configure_model(tmp_path):
             return model
 
     trained = fit_and_save(TiedTask(), tmp_path / "fit")
-    for weights in (tmp_path / "fit" / "model", tmp_path / "fit" / "model" / "model.safetensors"):
+    for weights in (tmp_path / "fit" / "latest" / "model", tmp_path / "fit" / "latest" / "model" / "model.safetensors"):
         task = Reloading(weights=str(weights))
         torchloom.Engine(output_dir=str(tmp_path / "validate")).validate(task, token_data())
         model = task.accelerator.unwrap_model(task.model)
@@ -128,7 +128,7 @@ def test_the_documented_task_pattern_loads_weights_in_configure_model(tmp_path):
 def test_a_sharded_save_reloads_with_the_tie_kept(tmp_path):
     # 300 bytes: the 512-byte embedding, the 256-byte projection weight and its bias land in separate shards.
     trained = fit_and_save(TiedTask(max_shard_size=300), tmp_path)
-    directory = tmp_path / "model"
+    directory = tmp_path / "latest" / "model"
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     assert not (directory / "model.safetensors").exists()
@@ -140,16 +140,20 @@ def test_a_sharded_save_reloads_with_the_tie_kept(tmp_path):
 
 
 def test_saving_again_replaces_the_shards_of_an_earlier_save(tmp_path):
-    fit_and_save(TiedTask(max_shard_size=300), tmp_path)  # a sharded save first
-    trained = fit_and_save(TiedTask(), tmp_path)  # the same output_dir, now one file
-    directory = tmp_path / "model"
+    fit_and_save(TiedTask(max_shard_size=300), tmp_path)  # a sharded save first, in version_0
+    task = TiedTask()
+    trained = fit_and_save(task, tmp_path)  # the same output_dir: a run directory of its own, one file
+    assert sorted(p.name for p in (tmp_path / "version_1" / "model").iterdir()) == ["model.safetensors"]
+    assert (tmp_path / "version_0" / "model" / "model.safetensors.index.json").is_file()  # both runs kept
+    directory = tmp_path / "version_0" / "model"
+    task.save_model(directory)  # saving into a directory that holds shards replaces them
     assert sorted(p.name for p in directory.iterdir()) == ["model.safetensors"]
     assert_same_weights(torchloom.TaskModule.load_model(TiedLM(), directory), trained)
 
 
 def test_loading_is_strict_about_keys_that_are_truly_missing_or_unexpected(tmp_path):
     fit_and_save(TiedTask(), tmp_path)
-    directory = tmp_path / "model"
+    directory = tmp_path / "latest" / "model"
     with pytest.raises(torchloom.ConfigError, match=r"missing keys \['extra\.bias', 'extra\.weight'\]") as missing:
         torchloom.TaskModule.load_model(TiedLM(extra=True), directory)
     assert str(directory) in str(missing.value)
@@ -157,7 +161,7 @@ def test_loading_is_strict_about_keys_that_are_truly_missing_or_unexpected(tmp_p
 
     fit_and_save(TiedTask(build=lambda: TiedLM(extra=True)), tmp_path / "bigger")
     with pytest.raises(torchloom.ConfigError, match=r"unexpected keys \['extra\.bias', 'extra\.weight'\]"):
-        torchloom.TaskModule.load_model(TiedLM(), tmp_path / "bigger" / "model")
+        torchloom.TaskModule.load_model(TiedLM(), tmp_path / "bigger" / "latest" / "model")
 
 
 def test_a_shape_mismatch_is_a_config_error_naming_the_directory(tmp_path):
@@ -169,8 +173,8 @@ def test_a_shape_mismatch_is_a_config_error_naming_the_directory(tmp_path):
             self.proj = torch.nn.Linear(DIM, DIM + 1)
 
     with pytest.raises(torchloom.ConfigError, match=r"size mismatch for proj\.weight") as error:
-        torchloom.TaskModule.load_model(Wider(), tmp_path / "model")
-    assert str(tmp_path / "model") in str(error.value)
+        torchloom.TaskModule.load_model(Wider(), tmp_path / "latest" / "model")
+    assert str(tmp_path / "latest" / "model") in str(error.value)
 
 
 @pytest.mark.parametrize("case", ["empty", "absent", "other_files"])
@@ -201,7 +205,7 @@ def test_a_transformers_model_with_tied_embeddings_reloads_with_the_tie_kept(tmp
     from transformers import GPT2LMHeadModel
 
     trained = fit_and_save(TiedTask(build=tiny_gpt2, max_shard_size=max_shard_size), tmp_path)
-    directory = tmp_path / "model"
+    directory = tmp_path / "latest" / "model"
     assert (directory / "config.json").is_file()
     sharded = (directory / "model.safetensors.index.json").is_file()
     assert sharded == (max_shard_size is not None)
@@ -232,7 +236,7 @@ import torchloom
 from test_save_load import TiedLM, TiedTask, token_data
 
 out = Path(sys.argv[1])
-model_dir = out / "run" / "model"
+model_dir = out / "run" / "version_0" / "model"
 writes = []
 rank = int(os.environ["RANK"])
 

@@ -6,7 +6,7 @@ The public API is exactly what this module exports; plugins (built-in or third-p
 from torchloom.config import EngineConfig
 from torchloom.data import DataModule
 from torchloom.engine import Engine
-from torchloom.errors import ConfigError, PluginError, TaskError, TorchloomError
+from torchloom.errors import ConfigError, PluginError, RunFileError, TaskError, TorchloomError
 from torchloom.hookspecs import hookimpl, hookspec
 from torchloom.memory import estimate_optimizer_memory
 from torchloom.module import TaskModule
@@ -26,6 +26,7 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "Progress",
+    "RunFileError",
     "StepHooks",
     "TaskError",
     "TaskModule",

@@ -59,7 +59,8 @@ class RunLog:
         """Forget everything: buffers, history and latest values (a new run starts)."""
         self.train.clear()
         self.val.clear()
-        self.history, self.latest = [], {}
+        self.history.clear()  # in place: Engine.history and Engine.logged_metrics are these objects
+        self.latest.clear()
 
     @contextmanager
     def active(self) -> Iterator[None]:

@@ -1,41 +1,102 @@
-"""The files a run writes itself: ``config.yaml`` (the resolved settings) and ``metrics.jsonl`` (every record)."""
+"""The files of a run: its own directory ``<output_dir>/version_N`` with ``config.yaml``, ``metrics.jsonl`` and
+``model/``, and the ``latest`` link to the last completed fit.
+
+Every ``fit``, ``validate`` and ``predict`` call gets a directory no other call writes into: ``os.mkdir`` either
+creates ``version_N`` or fails because another run took it, so two runs started at once never share one
+(Lightning's versioned log directories). The main process creates it and tells the others its name.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import re
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
+from accelerate.utils import broadcast_object_list
 
 from torchloom._guards import check_finite_parameters
+from torchloom.errors import RunFileError
 from torchloom.hookspecs import hookimpl
 
-__all__ = ["MetricsFile", "config_dict", "save_final_model", "start_run_files"]
+__all__ = [
+    "MetricsFile",
+    "config_dict",
+    "create_run_dir",
+    "discard_run_dir",
+    "finish_fit",
+    "start_run_files",
+]
+
+VERSION = re.compile(r"version_(\d+)")
+LATEST = "latest"
+_TEMPORARY = re.compile(r"\.(?:.+)\.tmp-(\d+)$")  # .config.yaml.tmp-<pid>, .latest.tmp-<pid>
 
 
-def save_final_model(task: Any, run: Any, config: Any) -> None:
-    """With ``save_model: true``, write ``<output_dir>/model`` with `TaskModule.save_model` (every rank calls it),
-    unless the weights are not finite (``nonfinite_loss`` other than ``"ignore"``).
+def create_run_dir(output_dir: str, accelerator: Any) -> str:
+    """Create ``<output_dir>/version_N`` (the next free N) on the main process; return its path on every process.
+
+    Also removes the temporary files that a killed save left in ``output_dir`` (their process is gone).
 
     Raises:
-        TaskError: a weight is NaN or infinite.
+        RunFileError: on every process, when ``output_dir`` cannot be created or written (a file of that name,
+            no permission, a full disk): one line naming the path and the OS error.
     """
-    if not config.save_model:
-        return
-    if config.nonfinite_loss != "ignore":
-        check_finite_parameters(run.model.parameters(), run.accelerator, "it is not saved")
-    task.save_model(os.path.join(config.output_dir, "model"))
+    result: list[Any] = [None, None]
+    if accelerator.is_main_process:
+        try:
+            result[0] = _make_version_dir(output_dir)
+        except OSError as exc:
+            result[1] = f"cannot create a run directory in output_dir {output_dir!r}: {exc.strerror or exc}"
+    if accelerator.num_processes > 1:
+        broadcast_object_list(result)  # the others wait here for the name (or the error)
+    if result[1] is not None:
+        raise RunFileError(result[1])
+    return result[0]
 
 
-def start_run_files(output_dir: str, run_config: Mapping[str, Any]) -> None:
-    """Write ``config.yaml`` atomically and start an empty ``metrics.jsonl``, together, so that the two always
-    belong to one run (main process only; a run that fails to start leaves neither)."""
-    _write_run_config(output_dir, run_config)
-    open(os.path.join(output_dir, "metrics.jsonl"), "w").close()
+def discard_run_dir(run_dir: str | None, accelerator: Any) -> None:
+    """Remove the directory of a run whose set-up failed (nothing of value was written into it)."""
+    if run_dir is not None and accelerator.is_main_process:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def start_run_files(run_dir: str, run_config: Mapping[str, Any]) -> None:
+    """Write ``config.yaml`` atomically and an empty ``metrics.jsonl`` (main process)."""
+    _replace_atomically(os.path.join(run_dir, "config.yaml"), yaml.safe_dump(_plain(run_config), sort_keys=False))
+    _write(os.path.join(run_dir, "metrics.jsonl"), "")
+
+
+def finish_fit(task: Any, run: Any, config: Any) -> None:
+    """The end of a completed fit: save ``<run_dir>/model`` with `TaskModule.save_model` (``save_model: true``; every
+    rank calls it), unless the weights are not finite; then point ``<output_dir>/latest`` at this run.
+
+    Raises:
+        TaskError: a weight is NaN or infinite (``nonfinite_loss`` other than ``"ignore"``).
+        RunFileError: the model or the link cannot be written.
+    """
+    if config.save_model:
+        if config.nonfinite_loss != "ignore":
+            check_finite_parameters(run.model.parameters(), run.accelerator, "it is not saved")
+        path = os.path.join(run.run_dir, "model")
+        try:
+            task.save_model(path)
+        except OSError as exc:
+            raise RunFileError(f"cannot save the model to {path!r}: {exc.strerror or exc}") from exc
+    if run.accelerator.is_main_process:
+        link = os.path.join(config.output_dir, LATEST)
+        tmp = os.path.join(config.output_dir, f".{LATEST}.tmp-{os.getpid()}")
+        try:
+            os.symlink(os.path.basename(run.run_dir), tmp)
+            os.replace(tmp, link)  # a symlink replaced in one step: readers see the old run or the new one
+        except OSError as exc:
+            raise RunFileError(f"cannot point {link!r} at {run.run_dir!r}: {exc.strerror or exc}") from exc
 
 
 def config_dict(config: Any) -> Any:
@@ -46,14 +107,60 @@ def config_dict(config: Any) -> Any:
     return config
 
 
-def _write_run_config(output_dir: str, run_config: Mapping[str, Any]) -> None:
-    """Write ``config.yaml`` atomically (a crash never leaves half a file)."""
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "config.yaml")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(_plain(run_config), f, sort_keys=False)
-    os.replace(tmp, path)
+def _make_version_dir(root: str) -> str:
+    os.makedirs(root, exist_ok=True)
+    _remove_orphans(root)
+    taken = [int(m.group(1)) for name in os.listdir(root) if (m := VERSION.fullmatch(name))]
+    n = max(taken, default=-1) + 1
+    while True:
+        path = os.path.join(root, f"version_{n}")
+        try:
+            os.mkdir(path)  # atomic: exactly one run creates it
+            return path
+        except FileExistsError:
+            n += 1
+
+
+def _remove_orphans(root: str) -> None:
+    """Remove the ``.<name>.tmp-<pid>`` files of processes that no longer run (a save killed half-way), in
+    ``root`` and in its run directories."""
+    folders = [root, *(os.path.join(root, n) for n in os.listdir(root) if VERSION.fullmatch(n))]
+    for folder in folders:
+        for name in os.listdir(folder) if os.path.isdir(folder) else ():
+            match = _TEMPORARY.fullmatch(name)
+            if match and not _alive(int(match.group(1))):
+                with contextlib.suppress(OSError):  # another process cleaned it first
+                    os.remove(os.path.join(folder, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _replace_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never half a file."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        _write(tmp, text)
+        os.replace(tmp, path)
+    except RunFileError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise RunFileError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
 
 
 def _plain(value: Any) -> Any:
@@ -68,21 +175,28 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsFile:
-    """Writes every ``on_log`` call as one JSON line to ``<output_dir>/metrics.jsonl`` (main process)."""
+    """Writes every ``on_log`` record as one JSON line to the run's ``metrics.jsonl`` (main process).
+
+    Each line is written with one ``write`` of bytes and flushed; if the write fails (a full disk) the file is cut
+    back to its last complete line and a `RunFileError` names the file, so every line in it is a complete JSON
+    object. A file that ends in a partial line (a process killed mid-write) is cut back the same way when opened.
+    """
 
     name = "torchloom.metrics_file"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-        self._file: Any = None  # appends: the engine empties the file when a fit starts
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self._file: Any = None
+
+    def start(self, path: str) -> None:
+        """Write the records of the next call to ``path`` (the engine calls it once the run directory exists)."""
+        self.close()
+        self.path = path
 
     @hookimpl
     def on_log(self, metrics: dict[str, float], progress, accelerator) -> None:
-        if not accelerator.is_main_process:
+        if not accelerator.is_main_process or self.path is None:
             return
-        if self._file is None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in teardown)
         record = {"step": progress.global_step, "epoch": progress.epoch, **metrics}
         # Strict JSON: a non-finite value (a NaN loss, an fp16 overflow's inf gradient norm) is written as the
         # string "NaN" / "Infinity" / "-Infinity", which float() reads back.
@@ -92,11 +206,40 @@ class MetricsFile:
             else str(v).replace("inf", "Infinity").replace("nan", "NaN")
             for k, v in record.items()
         }
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+        try:
+            if self._file is None:  # unbuffered: nothing is left in a buffer to flush after a failed write
+                self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in teardown)
+                _cut_partial_tail(self._file)
+            end = self._file.seek(0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(line):  # a full disk can take part of a line, then fail
+                    written += self._file.write(line[written:])
+            except OSError:
+                self._file.truncate(end)  # back to the last complete line
+                raise
+        except OSError as exc:
+            raise RunFileError(f"cannot write {self.path!r}: {exc.strerror or exc}") from exc
 
     @hookimpl
     def teardown(self) -> None:
+        self.close()
+
+    def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):  # what could not be flushed was cut back already
+                file.close()
+
+
+def _cut_partial_tail(file: Any) -> None:
+    """Truncate an append-mode binary file after its last newline (drop a line a killed process half wrote)."""
+    size = file.seek(0, os.SEEK_END)
+    if size == 0:
+        return
+    with open(file.name, "rb") as reader:
+        data = reader.read()
+    if not data.endswith(b"\n"):
+        file.truncate(data.rfind(b"\n") + 1)
+        file.seek(0, os.SEEK_END)

@@ -21,7 +21,7 @@ from torchloom._guards import (
     stop_iteration,
     train_mode_unless_chosen,
 )
-from torchloom._runfiles import MetricsFile, start_run_files
+from torchloom._runfiles import start_run_files
 from torchloom.config import EngineConfig
 from torchloom.errors import ConfigError, PluginError
 from torchloom.module import TaskModule
@@ -42,6 +42,7 @@ class Run:
     train_dataloader: Any = None
     val_dataloader: Any = None
     predict_dataloader: Any = None
+    run_dir: str = ""  # this call's directory, <output_dir>/version_N
 
 
 def prepare_run(
@@ -53,8 +54,9 @@ def prepare_run(
     datamodule: Any,
     loaders: Mapping[str, Any],
     run_config: Mapping[str, Any],
+    run_dir: str,
 ) -> Run:
-    """Data, model, optimizer and ``accelerator.prepare``; for a fit, ``config.yaml`` last (nothing half-written).
+    """Data, model, optimizer and ``accelerator.prepare``; then ``config.yaml`` in ``run_dir``.
 
     Args:
         loaders: the dataloaders passed explicitly (``train_dataloader``, ``val_dataloader``,
@@ -104,27 +106,36 @@ def prepare_run(
     val_dl = accelerator.prepare(val_dl) if val_dl is not None else None
     predict_dl = accelerator.prepare(predict_dl) if predict_dl is not None else None
     task.model = model
-    if accelerator.is_main_process and stage == "fit":
-        start_run_files(config.output_dir, run_config)
-    return Run(accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl)
+    if accelerator.is_main_process:
+        start_run_files(run_dir, run_config)
+    return Run(accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl, run_dir)
 
 
-def reuse_run(run: Run, task: TaskModule, stage: str, loaders: Mapping[str, Any]) -> Run:
-    """``validate`` / ``predict`` with the model of the last fit: prepare only the data they were given (a
-    ``predict`` without data uses the task's ``predict_dataloader``; a ``validate`` without, the fit's)."""
+def reuse_run(
+    run: Run, task: TaskModule, stage: str, loaders: Mapping[str, Any], run_dir: str, run_config: Mapping[str, Any]
+) -> Run:
+    """``validate`` / ``predict`` with the model of the last fit, in their own ``run_dir``: prepare only the data
+    they were given (a ``predict`` without data uses the task's ``predict_dataloader``; a ``validate`` without, the
+    fit's)."""
     if stage == "predict":
         loader = loaders.get("predict_dataloader")
         loader = task.predict_dataloader() if loader is None else loader
         run.predict_dataloader = run.accelerator.prepare(loader) if loader is not None else None
     elif loaders.get("val_dataloader") is not None:
         run.val_dataloader = run.accelerator.prepare(loaders["val_dataloader"])
+    _check_stage_data(stage, run.val_dataloader, run.predict_dataloader)
+    if stage == "validate":
+        check_validation_step(task)
+    run.run_dir = run_dir
+    if run.accelerator.is_main_process:
+        start_run_files(run_dir, run_config)
     return run
 
 
-def engine_relay(plugins: list[Any], default_step: Any, metrics_path: str) -> HookRelay:
+def engine_relay(plugins: list[Any], default_step: Any, metrics_file: Any) -> HookRelay:
     """The enabled plugins in the user's order, then the engine's own implementations (the default step, the
     ``metrics.jsonl`` writer), registered as every run registers them."""
-    return HookRelay([*plugins, default_step, MetricsFile(metrics_path)])
+    return HookRelay([*plugins, default_step, metrics_file])
 
 
 def sanity_check(task: TaskModule, run: Run, num_batches: int, logs: Any) -> None:
@@ -182,7 +193,15 @@ def _dataloaders(task: TaskModule, stage: str, datamodule: Any, loaders: Mapping
         val = pick("val_dataloader")
     if stage == "predict":
         predict = pick("predict_dataloader")
+    _check_stage_data(stage, val, predict)
     return train, val, predict
+
+
+def _check_stage_data(stage: str, val: Any, predict: Any) -> None:
+    if stage == "validate" and val is None:
+        raise ConfigError("validate: no validation data (pass a dataloader, a datamodule, or define val_dataloader)")
+    if stage == "predict" and predict is None:
+        raise ConfigError("predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)")
 
 
 def _configure_optimizers(

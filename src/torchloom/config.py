@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -27,10 +28,12 @@ class EngineConfig:
             call ``on_log`` every this many optimizer steps.
         seed (`int`, *optional*, defaults to 0): passed to `accelerate.utils.set_seed` before the model is
             built; ``None`` leaves the random state alone.
-        output_dir (`str`, defaults to ``"runs/default"``): where ``config.yaml``, ``metrics.jsonl`` and what
-            plugins save (checkpoints, models) are written, by the main process only.
+        output_dir (`str`, defaults to ``"runs/default"``): the root of the run directories: every fit, validate
+            and predict call writes its ``config.yaml``, ``metrics.jsonl`` and what plugins save into a new
+            ``<output_dir>/version_N``, by the main process only; ``<output_dir>/latest`` links to the last
+            completed fit.
         save_model (`bool`, defaults to False): at the end of a fit that completed, save the trained model
-            to ``<output_dir>/model`` with `TaskModule.save_model`.
+            to ``<run directory>/model`` with `TaskModule.save_model` (``<output_dir>/version_N/model``).
         num_sanity_val_steps (`int`, defaults to 2): before training, run ``validation_step`` on this many
             validation batches (nothing logged, random state restored), so that a broken validation fails in
             seconds rather than after the first epoch (Lightning's setting of the same name); 0 skips it.
@@ -56,6 +59,19 @@ class EngineConfig:
     save_model: bool = False
     num_sanity_val_steps: int = 2
     nonfinite_loss: str = "error"
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, object]) -> EngineConfig:
+        """Build from ``{field: value}``.
+
+        Raises:
+            ConfigError: an unknown field (naming the valid ones), or a bad value.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine setting {unknown[0]!r}; valid settings: {', '.join(sorted(known))}")
+        return cls(**settings)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

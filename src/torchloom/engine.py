@@ -26,8 +26,8 @@ from torchloom._guards import (
     stop_iteration,
 )
 from torchloom._logging import RunLog
-from torchloom._runfiles import config_dict, save_final_model
-from torchloom._setup import Run, check_validation_step, engine_relay, prepare_run, reuse_run, sanity_check
+from torchloom._runfiles import MetricsFile, config_dict, create_run_dir, discard_run_dir, finish_fit
+from torchloom._setup import Run, engine_relay, prepare_run, reuse_run, sanity_check
 from torchloom.config import EngineConfig
 from torchloom.data.module import DataModule
 from torchloom.errors import ConfigError
@@ -71,22 +71,18 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any) -> None:
         if config is not None and settings:
             raise ConfigError("Engine: pass either config=EngineConfig(...) or keyword settings, not both")
-        if config is None:
-            known = {f.name for f in dataclasses.fields(EngineConfig)}
-            unknown = sorted(set(settings) - known)
-            if unknown:
-                raise ConfigError(f"unknown engine setting {unknown[0]!r}; valid settings: {', '.join(sorted(known))}")
-            config = EngineConfig(**settings)
-        self.config = config
+        self.config = config if config is not None else EngineConfig.from_settings(settings)
         self.plugins = enable_plugins(plugins)
         #: The resolved run configuration written to ``config.yaml`` (the CLI sets the full one).
         self.run_config: dict[str, Any] | None = None
         self.progress = Progress()
         self.logs = RunLog()
+        self.history, self.logged_metrics = self.logs.history, self.logs.latest  # the same objects, kept up to date
         self._run: Run | None = None
         self._step_hooks: StepHooks | None = None
         self._default_step = DefaultTrainStep()
-        self._checks = TrainingChecks(config.nonfinite_loss)
+        self._metrics_file = MetricsFile()
+        self._checks = TrainingChecks(self.config.nonfinite_loss)
 
     @property
     def accelerator(self) -> Accelerator | None:
@@ -94,12 +90,9 @@ class Engine:
         return self._run.accelerator if self._run is not None else None
 
     @property
-    def history(self) -> list[dict[str, Any]]:
-        return self.logs.history
-
-    @property
-    def logged_metrics(self) -> dict[str, float]:
-        return self.logs.latest
+    def run_dir(self) -> str | None:
+        """The directory of the last ``fit`` / ``validate`` / ``predict`` call, ``<output_dir>/version_N``."""
+        return self._run.run_dir if self._run is not None else None
 
     # -------------------------------------------------------------------------------------------- fit
 
@@ -139,7 +132,7 @@ class Engine:
                 self._log_training(run)
                 relay.call("on_train_end", **end, progress=self.progress, log=self.logs.log)
                 self._log_training(run)
-                save_final_model(task, run, self.config)
+                finish_fit(task, run, self.config)  # the model (save_model: true), then the latest link
                 acc.wait_for_everyone()  # no process reports success before every process has finished
         except BaseException as exc:
             error = exc
@@ -236,11 +229,6 @@ class Engine:
         run = self._start(task, "validate", datamodule, val_dataloader=dataloader)
         self.logs.val.clear()  # only what this validation logs
         with self._stage(run, "validate"), self.logs.active():
-            if run.val_dataloader is None:
-                raise ConfigError(
-                    "validate: no validation data (pass a dataloader, a datamodule, or define val_dataloader)"
-                )
-            check_validation_step(task)
             return self._validate(task, run)
 
     def predict(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> list[Any]:
@@ -254,17 +242,14 @@ class Engine:
         run = self._start(task, "predict", datamodule, predict_dataloader=dataloader)
         relay, acc = run.relay, run.accelerator
         predictions: list[Any] = []
-        with self._stage(run, "predict"), self.logs.active():
-            if run.predict_dataloader is None:
-                raise ConfigError("predict: no data (pass a dataloader, a datamodule, or define predict_dataloader)")
-            with eval_mode(run.model), torch.no_grad():
-                relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
-                for batch_idx, batch in enumerate(run.predict_dataloader):
-                    outputs = task.predict_step(batch, batch_idx)
-                    if relay.implemented("on_predict_batch_end"):
-                        relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
-                    predictions.append(outputs)
-                relay.call("on_predict_end", predictions=predictions, accelerator=acc)
+        with self._stage(run, "predict"), self.logs.active(), eval_mode(run.model), torch.no_grad():
+            relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
+            for batch_idx, batch in enumerate(run.predict_dataloader):
+                outputs = task.predict_step(batch, batch_idx)
+                if relay.implemented("on_predict_batch_end"):
+                    relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
+                predictions.append(outputs)
+            relay.call("on_predict_end", predictions=predictions, accelerator=acc)
         return predictions
 
     def _validate(self, task: TaskModule, run: Run) -> dict[str, float]:
@@ -285,29 +270,32 @@ class Engine:
     # ------------------------------------------------------------------------------------ run lifetime
 
     def _start(self, task: TaskModule, stage: str, datamodule: Any, **loaders: Any) -> Run:
-        """Fire ``setup`` and build the run, or reuse the last fit's model (``validate`` / ``predict`` of the same
-        task without a datamodule). A failure after ``setup`` fires ``teardown`` before it propagates."""
-        run = self._run
-        if stage != "fit" and run is not None and getattr(task, "model", None) is run.model and datamodule is None:
-            run.relay.call("setup", config=self.config, stage=stage)
-            return reuse_run(run, task, stage, loaders)
-        cfg = self.config
-        self._default_step = DefaultTrainStep(skip_nonfinite=cfg.nonfinite_loss == "skip")
-        relay = engine_relay(self.plugins, self._default_step, os.path.join(cfg.output_dir, "metrics.jsonl"))
-        self._step_hooks = StepHooks(relay, self.logs.log)
-        self.logs.clear()  # nothing logged by an earlier (failed) run leaks into this one
+        """Fire ``setup``, create this call's run directory, and build the run, or reuse the last fit's model
+        (``validate`` / ``predict`` of the same task without a datamodule). A failure after ``setup`` removes the
+        run directory and fires ``teardown`` before it propagates."""
+        cfg, run = self.config, self._run
+        if stage == "fit" or run is None or getattr(task, "model", None) is not run.model or datamodule is not None:
+            run, self._default_step = None, DefaultTrainStep(skip_nonfinite=cfg.nonfinite_loss == "skip")
+            relay = engine_relay(self.plugins, self._default_step, self._metrics_file)
+            self._step_hooks = StepHooks(relay, self.logs.log)
+            self.logs.clear()  # nothing logged by an earlier (failed) run leaks into this one
+        else:
+            relay = run.relay
         relay.call("setup", config=cfg, stage=stage)
-        accelerator: Accelerator | None = None
+        accelerator, run_dir = (run.accelerator if run is not None else None), None
         try:
-            accelerator = build_accelerator(relay, cfg)
-            run_config = self.run_config or {
-                "engine": dataclasses.asdict(cfg),
-                "plugins": self.resolved_plugin_settings(),
-            }
-            self._run = prepare_run(task, stage, cfg, relay, accelerator, datamodule, loaders, run_config)
+            accelerator = accelerator or build_accelerator(relay, cfg)
+            run_dir = create_run_dir(cfg.output_dir, accelerator)  # before any data or model is built
+            self._metrics_file.start(os.path.join(run_dir, "metrics.jsonl"))
+            config = self.run_config or {"engine": dataclasses.asdict(cfg), "plugins": self.resolved_plugin_settings()}
+            if run is not None:
+                return reuse_run(run, task, stage, loaders, run_dir, config)
+            self._run = prepare_run(task, stage, cfg, relay, accelerator, datamodule, loaders, config, run_dir)
             return self._run
         except BaseException as exc:
             note_run_failed()
+            if accelerator is not None:
+                discard_run_dir(run_dir, accelerator)
             relay.call_cleanup("teardown", exc, accelerator=accelerator, stage=stage)  # teardown always runs
             raise
 
@@ -341,7 +329,7 @@ class Engine:
         """Every implemented hook -> the plugins implementing it, in the order a run of this engine calls them
         (the engine's own implementations, ``torchloom.default_step`` and ``torchloom.metrics_file``, included).
         Builds nothing and runs no hook."""
-        relay = engine_relay(self.plugins, DefaultTrainStep(), os.devnull)
+        relay = engine_relay(self.plugins, DefaultTrainStep(), MetricsFile())
         return {name: relay.call_order(name) for name in HOOK_NAMES if relay.implemented(name)}
 
     def resolved_plugin_settings(self) -> dict[str, Any]:

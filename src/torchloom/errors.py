@@ -6,7 +6,7 @@ code and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PluginError", "TaskError", "TorchloomError"]
+__all__ = ["ConfigError", "PluginError", "RunFileError", "TaskError", "TorchloomError"]
 
 
 class TorchloomError(Exception):
@@ -24,3 +24,8 @@ class PluginError(TorchloomError):
 class TaskError(TorchloomError, TypeError, ValueError):
     """A task's step returned something the engine cannot train on (no loss, a loss that is not a scalar
     floating tensor with a gradient). A `TypeError` and a `ValueError` too, for code that catches those."""
+
+
+class RunFileError(TorchloomError, OSError):
+    """A run's files cannot be written: ``output_dir`` is not a writable directory, or the disk is full. The message
+    names the path and the operating system's error; files already written are left complete."""

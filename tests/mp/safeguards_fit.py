@@ -21,7 +21,7 @@ task = TwoGroupTask(24)
 tiny_fit({"local_sgd": {"sync_every": 4}}, task=task, output_dir=str(out / "lsgd"), save_model=True)
 acc = task.accelerator
 model = acc.unwrap_model(task.model)
-saved = load_file(out / "lsgd" / "model" / "model.safetensors")  # fit returned after every rank finished
+saved = load_file(out / "lsgd" / "latest" / "model" / "model.safetensors")  # fit returned after every rank finished
 results["saved_equals_final"] = saved.keys() == model.state_dict().keys() and all(
     torch.equal(saved[k], v) for k, v in model.state_dict().items()
 )

@@ -1,0 +1,169 @@
+"""Runs never lose or mix work (issue 8): every call has a run directory of its own, created atomically; a
+``latest`` link names the last completed fit; metrics lines are always complete; a bad ``output_dir`` is one
+clear error before anything is built."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torchloom
+from torchloom.testing import TinyTask, tiny_fit
+
+
+def files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_second_fit_into_the_same_output_dir_keeps_the_first(tmp_path):
+    first = tiny_fit(output_dir=str(tmp_path), max_epochs=2, save_model=True)
+    kept = files(tmp_path / "version_0")
+    assert {"config.yaml", "metrics.jsonl", "model/model.safetensors"} <= set(kept)
+    second = tiny_fit(output_dir=str(tmp_path), max_epochs=1)  # a short smoke run, no model
+    assert (first.run_dir, second.run_dir) == (str(tmp_path / "version_0"), str(tmp_path / "version_1"))
+    assert files(tmp_path / "version_0") == kept  # the 2-epoch run and its model, untouched
+    assert not (tmp_path / "version_1" / "model").exists()  # no earlier model next to the new config
+    assert os.readlink(tmp_path / "latest") == "version_1"  # a relative link: the tree can be moved
+
+
+def test_validate_and_predict_never_write_into_the_fits_directory(tmp_path):
+    engine = torchloom.Engine(output_dir=str(tmp_path), log_every_n_steps=1)
+    task = TinyTask()
+    engine.fit(task)
+    fit_files = files(tmp_path / "version_0")
+    engine.validate(task)
+    engine.predict(task, DataLoader(torch.zeros(3, 4), batch_size=2))
+    assert files(tmp_path / "version_0") == fit_files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "version_0", "version_1", "version_2"]
+    assert len((tmp_path / "version_1" / "metrics.jsonl").read_text().splitlines()) == 1  # the validation's record
+    assert os.readlink(tmp_path / "latest") == "version_0"  # latest names the last completed fit
+
+
+def test_a_run_whose_set_up_fails_leaves_no_directory(tmp_path):
+    class NoModel(TinyTask):
+        def configure_model(self):
+            return None
+
+    with pytest.raises(torchloom.TaskError):
+        tiny_fit(task=NoModel(), output_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_two_runs_started_at_once_never_share_a_directory(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from torchloom.testing import tiny_fit
+        engine = tiny_fit(output_dir={str(tmp_path)!r}, max_epochs=3)
+        print(json.dumps({{"run_dir": engine.run_dir, "history": engine.history}}))
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    runs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env) for _ in "ab"]
+    results = [json.loads(run.communicate(timeout=300)[0].splitlines()[-1]) for run in runs]
+    assert all(run.returncode == 0 for run in runs)
+    assert sorted(r["run_dir"] for r in results) == [str(tmp_path / "version_0"), str(tmp_path / "version_1")]
+    for r in results:  # each file holds exactly its own run's records, none of the other's
+        lines = (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line) for line in lines] == r["history"]
+
+
+def test_temporary_files_of_a_killed_save_are_removed_at_the_next_start(tmp_path):
+    tiny_fit(output_dir=str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has ended
+    orphans = [tmp_path / f".latest.tmp-{pid}", tmp_path / "version_0" / f".config.yaml.tmp-{pid}"]
+    live = tmp_path / f".latest.tmp-{os.getppid()}"  # a save in progress in a process that still runs
+    for path in [*orphans, live]:
+        path.write_text("half")
+    tiny_fit(output_dir=str(tmp_path))
+    assert not any(path.exists() for path in orphans)
+    assert live.exists()
+
+
+@pytest.mark.parametrize("kind", ["a file", "unwritable"])
+def test_a_bad_output_dir_is_one_clear_error_before_anything_is_built(tmp_path, kind):
+    if kind == "a file":
+        output_dir = tmp_path / "runs"
+        output_dir.write_text("not a directory")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root can write into a read-only directory")
+        output_dir = tmp_path / "ro"
+        output_dir.mkdir(mode=0o500)
+
+    class Counting(TinyTask):
+        built = 0
+
+        def configure_model(self):
+            Counting.built += 1
+            return super().configure_model()
+
+    with pytest.raises(torchloom.RunFileError, match=r"cannot create a run directory in output_dir '.*': "):
+        tiny_fit(task=Counting(), output_dir=str(output_dir))
+    assert Counting.built == 0
+
+
+def test_a_full_disk_while_writing_metrics_leaves_only_complete_lines(tmp_path):
+    # RLIMIT_FSIZE makes a write past 2000 bytes fail part-way (EFBIG), as a full disk does: the file keeps only
+    # complete JSON lines, the error is one RunFileError naming the file, and every plugin's teardown ran.
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        import torchloom
+        from torchloom.testing import TinyTask, tiny_fit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+
+        class Closer(torchloom.Plugin):
+            name = "closer"
+            @torchloom.hookimpl
+            def teardown(self):
+                print("teardown ran")
+
+        class Chatty(TinyTask):
+            def training_step(self, batch, batch_idx):
+                for i in range(8):
+                    self.log(f"extra/value_{{i}}", 1.0)
+                return super().training_step(batch, batch_idx)
+
+        try:
+            tiny_fit([Closer()], task=Chatty(n=256, batch_size=4), output_dir={str(tmp_path)!r})
+        except torchloom.RunFileError as exc:
+            print("error:", exc)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "teardown ran" in result.stdout, result.stderr[-2000:]
+    (error,) = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert "metrics.jsonl" in error and "File too large" in error
+    text = (tmp_path / "version_0" / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and len(text) <= 2000
+    assert all(isinstance(json.loads(line), dict) for line in text.splitlines())
+
+
+def test_a_partial_last_line_is_cut_when_the_file_is_opened_again(tmp_path):
+    from torchloom._runfiles import MetricsFile
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "train/lo')  # a process killed mid-write
+
+    class Progress:
+        global_step, epoch = 3, 0
+
+    class Main:
+        is_main_process = True
+
+    metrics = MetricsFile()
+    metrics.start(str(path))
+    metrics.on_log({"train/loss": 0.5}, Progress(), Main())
+    metrics.teardown()
+    assert path.read_text() == '{"step": 1}\n{"step": 3, "epoch": 0, "train/loss": 0.5}\n'
