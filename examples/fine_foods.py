@@ -367,6 +367,12 @@ class FineFoodsClassifier(torchloom.TaskModule):
             self.log("val/majority_rate", (labels == self._majority).sum().to(exact) / n, weight=n)
         return {"preds": preds, "labels": labels}
 
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        """Per review: ``label`` (1 = a 5-star review, shape ``(batch,)``, int64) and ``p_great``, its probability
+        (float32), from the model's softmax; the labels in the batch, if any, are not used."""
+        probabilities = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits.softmax(-1)
+        return {"label": probabilities.argmax(-1), "p_great": probabilities[:, 1]}
+
     def save_model(self, directory: str | os.PathLike[str]) -> None:
         """Save the fine-tuned model (``save_pretrained``: config + safetensors) and its tokenizer."""
         super().save_model(directory)
@@ -424,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"  val/majority_rate = {majority:.4f}  (always answering the training majority class)")
     print(f"  val/loss          = {metrics['val/loss']:.4f}")
     if engine.config.save_model:
-        print(f"  model + tokenizer in {os.path.join(engine.config.output_dir, 'model')}")
+        print(f"  model + tokenizer in {os.path.join(str(engine.run_dir), 'model')}")
     return metrics
 
 

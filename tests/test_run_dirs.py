@@ -167,3 +167,26 @@ def test_a_partial_last_line_is_cut_when_the_file_is_opened_again(tmp_path):
     metrics.on_log({"train/loss": 0.5}, Progress(), Main())
     metrics.teardown()
     assert path.read_text() == '{"step": 1}\n{"step": 3, "epoch": 0, "train/loss": 0.5}\n'
+
+
+def test_predict_writes_its_predictions_into_its_own_run_directory(tmp_path):
+    engine = torchloom.Engine(output_dir=str(tmp_path))
+    task = TinyTask()
+    engine.fit(task)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    predictions = engine.predict(task, DataLoader(x, batch_size=2))
+    rows = [json.loads(line) for line in (Path(engine.run_dir) / "predictions.jsonl").read_text().splitlines()]
+    assert engine.run_dir == str(tmp_path / "version_1")
+    assert rows == [{"prediction": row} for row in torch.cat(predictions).tolist()]  # one line per sample, in order
+
+
+def test_predictions_of_a_dict_of_tensors_are_one_line_per_sample(tmp_path):
+    from torchloom._runfiles import write_predictions
+
+    class One:
+        num_processes, process_index = 1, 0
+
+    outputs = [{"label": torch.tensor([1, 0]), "p": torch.tensor([0.75, 0.25])}, {"label": torch.tensor([1])}]
+    path = write_predictions(str(tmp_path), [*outputs, "text"], One())
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    assert rows == [{"label": 1, "p": 0.75}, {"label": 0, "p": 0.25}, {"label": 1}, {"prediction": "text"}]

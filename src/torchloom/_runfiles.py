@@ -32,6 +32,7 @@ __all__ = [
     "discard_run_dir",
     "finish_fit",
     "start_run_files",
+    "write_predictions",
 ]
 
 VERSION = re.compile(r"version_(\d+)")
@@ -97,6 +98,45 @@ def finish_fit(task: Any, run: Any, config: Any) -> None:
             os.replace(tmp, link)  # a symlink replaced in one step: readers see the old run or the new one
         except OSError as exc:
             raise RunFileError(f"cannot point {link!r} at {run.run_dir!r}: {exc.strerror or exc}") from exc
+
+
+def write_predictions(run_dir: str, predictions: list[Any], accelerator: Any) -> str:
+    """Write this process's ``predict`` outputs as JSON lines; return the file's path.
+
+    One line per sample when a batch's output is a tensor or a mapping of tensors (a transformers ``ModelOutput``
+    too) whose first dimension is the batch; one line per batch otherwise (numbers and lists as they are, anything
+    else as its ``repr``). The main process writes ``predictions.jsonl``; with several processes, process r also
+    writes its own shard, ``predictions.rank<r>.jsonl``.
+
+    Raises:
+        RunFileError: the file cannot be written.
+    """
+    name = (
+        "predictions.jsonl" if accelerator.num_processes == 1 else f"predictions.rank{accelerator.process_index}.jsonl"
+    )
+    rows = [json.dumps(row) for outputs in predictions for row in _prediction_rows(outputs)]
+    path = os.path.join(run_dir, name)
+    _write(path, "".join(f"{row}\n" for row in rows))
+    return path
+
+
+def _prediction_rows(outputs: Any) -> list[dict[str, Any]]:
+    import torch
+
+    tensors = dict(outputs) if isinstance(outputs, Mapping) else {"prediction": outputs}
+    sizes = {len(v) if isinstance(v, torch.Tensor) and v.ndim else -1 for v in tensors.values()}
+    if len(sizes) == 1 and -1 not in sizes:  # batch-first tensors: one row per sample
+        columns = {k: v.detach().cpu().tolist() for k, v in tensors.items()}
+        return [{k: column[i] for k, column in columns.items()} for i in range(sizes.pop())]
+    return [{k: _plain_value(v) for k, v in tensors.items()}]
+
+
+def _plain_value(value: Any) -> Any:
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if value is None or isinstance(value, bool | int | float | str | list):
+        return value
+    return repr(value)
 
 
 def config_dict(config: Any) -> Any:

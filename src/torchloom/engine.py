@@ -26,7 +26,14 @@ from torchloom._guards import (
     stop_iteration,
 )
 from torchloom._logging import RunLog
-from torchloom._runfiles import MetricsFile, config_dict, create_run_dir, discard_run_dir, finish_fit
+from torchloom._runfiles import (
+    MetricsFile,
+    config_dict,
+    create_run_dir,
+    discard_run_dir,
+    finish_fit,
+    write_predictions,
+)
 from torchloom._setup import Run, engine_relay, prepare_run, reuse_run, sanity_check
 from torchloom.config import EngineConfig
 from torchloom.data.module import DataModule
@@ -234,7 +241,8 @@ class Engine:
     def predict(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> list[Any]:
         """Run `TaskModule.predict_step` over the data; return this rank's outputs, one per batch.
 
-        The model is in eval mode during prediction; every module gets its own mode back afterwards.
+        The model is in eval mode during prediction; every module gets its own mode back afterwards. The outputs are
+        also written to ``<run_dir>/predictions.jsonl``, one JSON line per sample (see the user guide).
 
         Raises:
             ConfigError: no prediction data.
@@ -250,6 +258,7 @@ class Engine:
                     relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
                 predictions.append(outputs)
             relay.call("on_predict_end", predictions=predictions, accelerator=acc)
+            write_predictions(run.run_dir, predictions, acc)
         return predictions
 
     def _validate(self, task: TaskModule, run: Run) -> dict[str, float]:

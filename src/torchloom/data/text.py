@@ -574,6 +574,11 @@ class TextClassificationData(DataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    def predict_dataloader(self) -> DataLoader | None:
+        """The validation rows, in order (what ``torchloom predict`` predicts on; the labels stay in the batches so
+        that predictions can be compared with them); ``None`` without validation."""
+        return self.val_dataloader()
+
     def val_dataloader(self) -> DataLoader | None:
         """Batches of ``eval_batch_size`` in order, shaped as in `train_dataloader`; ``None`` without validation."""
         if self.val_dataset is None:
