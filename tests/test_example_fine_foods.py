@@ -104,6 +104,24 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
     assert correct / 64 == pytest.approx(final["val/accuracy"], abs=1e-12)
     assert loss / 64 == pytest.approx(final["val/loss"], abs=1e-5)
 
+    # The commands a user runs next, on the saved model: validate reports the fit's validation metrics, and
+    # predict writes one prediction per validation review into a run directory of its own.
+    model_dir = f"--task.init_args.model_path={out / 'latest' / 'model'}"
+    for command_name in ("validate", "predict"):
+        command = [sys.executable, "-m", "torchloom.cli", command_name, "--config", str(CONFIG), *overrides]
+        done = subprocess.run(
+            [*command, model_dir, f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    (validation,) = [json.loads(line) for line in (out / "version_1" / "metrics.jsonl").open()]
+    assert validation["val/accuracy"] == pytest.approx(final["val/accuracy"], abs=1e-12)
+    assert validation["val/loss"] == pytest.approx(final["val/loss"], abs=1e-5)
+    rows = [json.loads(line) for line in (out / "version_2" / "predictions.jsonl").open()]
+    assert len(rows) == 64 and sum(r["label"] == (r["p_great"] > 0.5) for r in rows) == 64
+    labels = [label for batch in data.val_dataloader() for label in batch["labels"].tolist()]  # the same order
+    assert sum(r["label"] == label for r, label in zip(rows, labels, strict=True)) / 64 == final["val/accuracy"]
+    assert (out / "latest").resolve() == (out / "version_0").resolve()  # latest still names the fit
+
 
 def test_python_fit_saves_the_trained_model(fine_foods, tmp_path, threads):
     from transformers import AutoModelForSequenceClassification
