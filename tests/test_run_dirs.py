@@ -190,3 +190,25 @@ def test_predictions_of_a_dict_of_tensors_are_one_line_per_sample(tmp_path):
     path = write_predictions(str(tmp_path), [*outputs, "text"], One())
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
     assert rows == [{"label": 1, "p": 0.75}, {"label": 0, "p": 0.25}, {"label": 1}, {"prediction": "text"}]
+
+
+def test_a_full_disk_while_saving_the_model_is_one_error_and_the_previous_run_is_untouched(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import resource, signal
+        import torchloom
+        from torchloom.testing import TinyTask, tiny_fit
+        tiny_fit(task=TinyTask(in_features=2000), output_dir={str(tmp_path)!r}, save_model=True)  # a good run
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))  # the 8 kB model no longer fits
+        try:
+            tiny_fit(task=TinyTask(in_features=2000), output_dir={str(tmp_path)!r}, save_model=True)
+        except torchloom.RunFileError as exc:
+            print("error:", exc)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    (error,) = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert f"cannot save the model to '{tmp_path / 'version_1' / 'model'}': File too large" in error
+    assert (tmp_path / "version_0" / "model" / "model.safetensors").stat().st_size > 8000
+    assert os.readlink(tmp_path / "latest") == "version_0"  # the failed run is not the latest

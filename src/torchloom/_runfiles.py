@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 from accelerate.utils import broadcast_object_list
+from safetensors import SafetensorError
 
 from torchloom._guards import check_finite_parameters
 from torchloom.errors import RunFileError
@@ -88,8 +89,9 @@ def finish_fit(task: Any, run: Any, config: Any) -> None:
         path = os.path.join(run.run_dir, "model")
         try:
             task.save_model(path)
-        except OSError as exc:
-            raise RunFileError(f"cannot save the model to {path!r}: {exc.strerror or exc}") from exc
+        except (OSError, SafetensorError) as exc:  # safetensors reports a failed write as its own error
+            reason = getattr(exc, "strerror", None) or re.sub(r"^.*I/O error: | \(os error \d+\)$", "", str(exc))
+            raise RunFileError(f"cannot save the model to {path!r}: {reason}") from exc
     if run.accelerator.is_main_process:
         link = os.path.join(config.output_dir, LATEST)
         tmp = os.path.join(config.output_dir, f".{LATEST}.tmp-{os.getpid()}")
