@@ -48,7 +48,10 @@ def test_fit_writes_resolved_config_and_metrics(project: Path) -> None:
         "fit", "--config", "config.yaml", "--engine.max_epochs=3", "--task.init_args.batch_size=8", cwd=project
     )
     assert proc.returncode == 0, proc.stderr
-    resolved = yaml.safe_load((project / "run" / "version_0" / "config.yaml").read_text())
+    run_dir = project / "run" / "version_0"
+    lines = proc.stdout.splitlines()  # the run directory when the run starts, and again with the results
+    assert lines.index(f"torchloom fit: run directory {run_dir}") < lines.index(f"torchloom fit: output in {run_dir}")
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     # The override on the command line wins over the file; unspecified fields are filled with defaults.
     assert resolved["engine"]["max_epochs"] == 3
     assert resolved["engine"]["seed"] == 0

@@ -95,6 +95,7 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
     engine = torchloom.Engine(objects.engine, plugins=objects.plugins)
     resolved["plugins"] = engine.resolved_plugin_settings()  # with every default filled in
     engine.run_config = resolved
+    engine.plugins.append(_RunDirectoryAnnouncer(engine, command))  # the CLI's own: not in config.yaml
     task, data = objects.task, objects.data
     if command == "fit":
         metrics = engine.fit(task, datamodule=data)
@@ -104,10 +105,36 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
         predictions = engine.predict(task, datamodule=data)
         metrics = {"batches": float(len(predictions))}
     if engine.accelerator is None or engine.accelerator.is_main_process:
-        print(f"torchloom {command}: output in {engine.config.output_dir}")
+        print(f"torchloom {command}: output in {engine.run_dir}")
         for name, value in sorted(metrics.items()):
             print(f"  {name} = {value:.6g}")
     return 0
+
+
+class _RunDirectoryAnnouncer:
+    """Prints the run directory once, on the main process, when the run starts (``fit``: before the first step)."""
+
+    name = "torchloom.cli"
+
+    def __init__(self, engine: Any, command: str) -> None:
+        self.engine, self.command, self.said = engine, command, False
+
+    def _say(self, accelerator: Any) -> None:
+        if not self.said and accelerator.is_main_process:
+            print(f"torchloom {self.command}: run directory {self.engine.run_dir}", flush=True)
+        self.said = True
+
+    @torchloom.hookimpl
+    def on_fit_start(self, accelerator: Any) -> None:
+        self._say(accelerator)
+
+    @torchloom.hookimpl
+    def on_validation_start(self, accelerator: Any) -> None:
+        self._say(accelerator)
+
+    @torchloom.hookimpl
+    def on_predict_start(self, accelerator: Any) -> None:
+        self._say(accelerator)
 
 
 def _plugins_command(cfg: Any) -> int:
