@@ -21,12 +21,21 @@ class LogBuffer:
 
     def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
         """Add ``value * weight`` to the running sum of ``name`` (see `TaskModule.log`)."""
+        # A bad name or value is the task's input error: a `TaskError` (a TypeError and a ValueError too), one line.
+        if not isinstance(name, str) or not name:
+            raise TaskError(f"log({name!r}, ...): the name is a {type(name).__name__}; expected a non-empty string")
         for what, x in (("value", value), ("weight", weight)):
             if isinstance(x, bool) or not isinstance(x, torch.Tensor | int | float):
-                raise TypeError(f"log({name!r}): {what} {x!r} is a {type(x).__name__}; expected a number or a tensor")
+                kind = type(x).__name__
+                raise TaskError(
+                    f"log({name!r}): {what} {x!r:.60} is a {kind}; expected a number or a one-element tensor"
+                )
+            if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.is_complex() or x.dtype == torch.bool):
+                raise TaskError(
+                    f"log({name!r}): {what} is a {x.dtype} tensor of shape {tuple(x.shape)}; expected a single real "
+                    "number (a one-element tensor, or a float): reduce it, e.g. with .mean()"
+                )
         if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"log({name!r}): expected a single number, got a tensor of shape {tuple(value.shape)}")
             value = value.detach().reshape(())
             value = value.to(torch.float64 if value.device.type != "mps" else torch.float32)
         if isinstance(weight, torch.Tensor):

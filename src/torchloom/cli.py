@@ -8,8 +8,12 @@ Configs are parsed with jsonargparse (as LightningCLI does)::
 
 A config has four sections: ``engine`` (`EngineConfig` fields), ``task`` (``class_path`` of a `TaskModule`
 subclass + ``init_args``), ``data`` (same for a `DataModule`, optional) and ``plugins``
-(``name: {settings}``). The directory of the ``--config`` file is put on ``sys.path``, so tasks defined
-next to it import by module name.
+(``name: {settings}``). Every command that reads a config (``fit``, ``validate``, ``predict``, ``--print_config``,
+``plugins --config``) reads it with `_load_run_config`, so all of them accept and reject the same files. The
+``plugins`` section is read by this module, not by jsonargparse: ``--plugins.NAME.SETTING=VALUE`` changes one
+setting and keeps the others. The directory of the ``--config`` file (and the working directory) go on
+``sys.path`` *after* the installed packages, so tasks defined next to it import by module name but a file there
+cannot shadow a library; a ``class_path`` imports (runs) the module it names.
 Errors caused by bad input print one line and exit with status 2; no traceback.
 
 The command is a client of torchloom's public API (the names in ``torchloom.__all__``), as a plugin is: it
@@ -19,17 +23,21 @@ them with `torchloom.installed_plugins`; ``tests/test_cli_public_api.py`` checks
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import sys
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Mapping, MutableMapping, Sequence
+from importlib import metadata
 from typing import Any
 
 import pluggy
 import yaml
 
 import torchloom
-from torchloom import DataModule, EngineConfig, TaskModule, TorchloomError
+from torchloom import ConfigError, DataModule, EngineConfig, TaskModule, TorchloomError
 
 __all__ = ["main"]
 
@@ -39,50 +47,318 @@ RUN_COMMANDS = ("fit", "validate", "predict")
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchloom`` console script. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_other_processes(os.environ)
     _put_config_dir_on_path(argv)
     try:
-        parser = _build_parser()
+        parser, run_parsers = _build_parser()
+        command = next((a for a in argv if not a.startswith("-")), None)
+        if command in RUN_COMMANDS:
+            argv, plugin_options, print_flags = _take_cli_options(argv, argv.index(command) + 1)
+            cfg, _ = _load_run_config(parser, argv, command, plugin_options)
+            if print_flags is not None:
+                sys.stdout.write(run_parsers[command].dump(cfg[command], **print_flags))
+                return 0
+            return _run_command(parser, cfg, command)
         cfg = parser.parse_args(argv)
-        command = cfg.subcommand
-        if command == "plugins":
-            return _plugins_command(cfg.plugins)
-        return _run_command(parser, cfg, command)
+        return _plugins_command(parser, cfg.plugins)
     except TorchloomError as exc:
-        print(f"torchloom: error: {exc}", file=sys.stderr)
+        print(f"torchloom: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2
     except KeyboardInterrupt:
         print("torchloom: interrupted", file=sys.stderr)
         return 130
 
 
-def _build_parser() -> Any:
+def _build_parser() -> tuple[Any, dict[str, Any]]:
+    """The ``torchloom`` parser, and the parser of each run command (for ``--print_config``)."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
         prog="torchloom", description="Train, validate and inspect torchloom runs.", allow_abbrev=False
     )
+    parser.add_argument("--version", action="version", version=f"torchloom {torchloom.__version__}")
     subcommands = parser.add_subcommands(dest="subcommand")
+    run_parsers = {}
     for command in RUN_COMMANDS:
         sub = ArgumentParser(description=f"{command} a task (see 'torchloom {command} --help')", allow_abbrev=False)
         sub.add_argument("--config", action=ActionConfigFile, help="YAML config file (may be repeated)")
         sub.add_class_arguments(EngineConfig, "engine", help="Loop settings (torchloom.EngineConfig)")
-        sub.add_subclass_arguments(TaskModule, "task", required=True, help="The task: class_path + init_args")
+        # Not required here: `plugins --config` reads a config with no task; a run checks for it itself.
+        sub.add_subclass_arguments(TaskModule, "task", required=False, help="The task: class_path + init_args")
         sub.add_subclass_arguments(DataModule, "data", required=False, help="The data: class_path + init_args")
+        # Read and checked by this module (`_take_cli_options`, `_plugin_section`), not by jsonargparse.
         sub.add_argument(
             "--plugins",
-            type=dict[str, dict[str, Any] | None] | list[str | dict[str, dict[str, Any] | None]] | None,
+            type=Any,
             default=None,
-            help="Plugins to enable, in order: {name: {settings}} or a list of names",
+            help="Plugins to enable, in order: {name: {settings}} or a list of names. "
+            "--plugins.NAME.SETTING=VALUE changes one setting (and enables NAME if it is not enabled yet).",
         )
         subcommands.add_subcommand(command, sub, help=f"{command} a task")
+        run_parsers[command] = sub
     plugins = ArgumentParser(description="List installed plugins (and the call order for a config)")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.add_argument("--config", type=str | None, default=None, help="a run config: show its plugin order")
     subcommands.add_subcommand("plugins", plugins, help="list installed plugins")
-    return parser
+    return parser, run_parsers
+
+
+def _take_cli_options(argv: list[str], start: int) -> tuple[list[str], list[tuple[str, Any]], dict[str, Any] | None]:
+    """Take the ``--plugins...`` and ``--print_config`` options of a run command out of ``argv``.
+
+    Returns:
+        The remaining arguments (for jsonargparse), the plugin options in order as ``(dotted key, value)`` (key
+        ``""`` for ``--plugins`` itself; the value parsed as YAML), and the `dump` flags of ``--print_config``
+        (``None`` when not given).
+
+    Raises:
+        ConfigError: a plugin option without a value, a value that is not YAML, an unknown ``--print_config`` flag.
+    """
+    rest, options, print_flags = argv[:start], [], None
+    args = iter(argv[start:])
+    for arg in args:
+        option, has_value, text = arg.partition("=")
+        if option == "--print_config":
+            print_flags = _print_config_flags(text if has_value else "")
+            continue
+        if option != "--plugins" and not option.startswith("--plugins."):
+            rest.append(arg)
+            continue
+        key = option.removeprefix("--plugins").removeprefix(".")
+        if not has_value:
+            following = next(args, None)
+            if following is None:
+                raise ConfigError(f"{option}: expected a value, e.g. {_option_example(key)}")
+            text = following
+        if any(not part for part in key.split(".")) and key:
+            raise ConfigError(f"{option}: empty name in the option; expected {_option_example(key)}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{option}: value {text!r} is not valid YAML ({problem})") from None
+        options.append((key, value))
+    return rest, options, print_flags
+
+
+def _option_example(key: str) -> str:
+    if not key:
+        return "--plugins='{grad_clip: {max_norm: 1.0}}' or --plugins='[grad_clip]'"
+    if "." not in key:
+        return f"--plugins.{key}='{{setting: value}}'"
+    return f"--plugins.{key}=VALUE"
+
+
+def _print_config_flags(text: str) -> dict[str, Any]:
+    flags: dict[str, Any] = {}
+    valid = {"skip_default": "skip_default", "skip_unset": "skip_unset", "skip_null": "skip_unset"}
+    for flag in filter(None, text.split(",")):
+        if flag not in valid:
+            raise ConfigError(f"--print_config={text}: unknown flag {flag!r}; valid flags: skip_default, skip_unset")
+        flags[valid[flag]] = True
+    return flags
+
+
+def _load_run_config(
+    parser: Any, argv: list[str], command: str, plugin_options: Sequence[tuple[str, Any]]
+) -> tuple[Any, Any]:
+    """Parse a run command's arguments: the one way every command reads a config.
+
+    Checks each ``--config`` file first (`_read_config_file`), parses with jsonargparse, merges the plugin options
+    into the files' ``plugins`` section (a mapping from then on), and checks the engine settings and the plugins
+    (imports the plugins the config enables, builds nothing).
+
+    Returns:
+        The parsed namespace (``plugins`` replaced by the merged mapping) and the checked `torchloom.Engine`.
+    """
+    for path in _config_paths(argv):
+        _read_config_file(path)
+    cfg = parser.parse_args(argv)
+    run = cfg[command]
+    run.plugins = _merge_plugin_options(_plugin_section(run.plugins, "plugins"), plugin_options)
+    return cfg, _checked_engine(run)
+
+
+def _config_paths(argv: Sequence[str]) -> list[str]:
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    return paths
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, with a key that appears twice in one mapping an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: PyYAML reports it itself
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(key, first, second)
+        self.key, self.first, self.second = key, first, second
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    """Read a config file as YAML, strictly: it must hold a mapping, and no mapping in it may repeat a key.
+
+    Raises:
+        ConfigError: a file that cannot be read, is not YAML, is empty, holds no mapping, or repeats a key.
+    """
+    sections = "a mapping with the sections engine, task, data and plugins"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(f"config {path!r}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path!r}: not a UTF-8 text file ({exc.reason})") from None
+    try:
+        config = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
+    except _DuplicateKey as dup:
+        raise ConfigError(
+            f"config {path!r}: key {dup.key!r} appears twice (lines {dup.first} and {dup.second}); keep one"
+        ) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config {path!r} is not valid YAML{where}: {problem}") from None
+    if config is None:
+        raise ConfigError(f"config {path!r} is empty; expected {sections}")
+    if not isinstance(config, dict):
+        raise ConfigError(f"config {path!r} holds a {type(config).__name__} ({config!r:.40}); expected {sections}")
+    return config
+
+
+def _plugin_section(value: Any, where: str) -> dict[str, Any]:
+    """The plugins of a ``plugins`` section (or of a ``--plugins`` value) as one ordered mapping name -> settings.
+
+    Accepts every form `torchloom.Engine` accepts from a config: ``{name: settings}``, or a list of names and
+    ``{name: settings}`` mappings. Settings must be a mapping or empty (the defaults); whether each setting is
+    valid is the plugin's to say (`torchloom.build_config`).
+
+    Raises:
+        ConfigError: naming ``where``, the bad value and the forms that are valid.
+    """
+    valid = "a mapping {name: {settings}} or a list of names, e.g. {grad_clip: {max_norm: 1.0}} or [grad_clip]"
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        entries = list(value.items())
+    elif isinstance(value, list):
+        entries = []
+        for entry in value:
+            if isinstance(entry, str):
+                entries.append((entry, None))
+            elif isinstance(entry, Mapping):
+                entries.extend(entry.items())
+            else:
+                raise ConfigError(
+                    f"{where}: entry {entry!r} ({type(entry).__name__}) is not a plugin; expected a name or a "
+                    "{name: {settings}} mapping"
+                )
+    elif isinstance(value, str):
+        raise ConfigError(f"{where}: got the string {value!r}; expected {valid.replace('[grad_clip]', f'[{value}]')}")
+    else:
+        raise ConfigError(f"{where}: got {value!r} ({type(value).__name__}); expected {valid}")
+    section: dict[str, Any] = {}
+    for name, settings in entries:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: {name!r} ({type(name).__name__}) is not a plugin name; expected {valid}")
+        if ":" in name:
+            raise ConfigError(
+                f"{where}: {name!r} is not a plugin name; in YAML a colon needs a space after it: "
+                f"{{{name.replace(':', ': ', 1)}}}"
+            )
+        if name in section:
+            raise ConfigError(f"{where}: plugin {name!r} is listed twice; list each plugin once")
+        if settings is not None and not isinstance(settings, Mapping):
+            raise ConfigError(
+                f"{where}: settings of plugin {name!r} = {settings!r} ({type(settings).__name__}); expected a "
+                f"mapping {{setting: value}}, or nothing for the defaults ({_valid_settings(name)})"
+            )
+        section[name] = dict(settings) if settings is not None else None
+    return section
+
+
+def _valid_settings(name: str) -> str:
+    """``valid settings: a, b`` of an installed plugin, read from its ``Config``; what is known otherwise."""
+    registrations = torchloom.installed_plugins().get(name)
+    if not registrations:
+        return "see 'torchloom plugins' for the installed plugins"
+    try:
+        config = getattr(registrations[0].load(), "Config", None)
+    except TorchloomError:
+        config = None
+    if config is None or not dataclasses.is_dataclass(config):
+        return f"plugin {name!r} takes no settings"
+    fields = [f.name for f in dataclasses.fields(config) if f.init]
+    return f"valid settings: {', '.join(fields) or '(none)'}"
+
+
+def _merge_plugin_options(section: dict[str, Any], options: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """Apply the command line's plugin options, in order, to the config's plugins.
+
+    ``--plugins=VALUE`` replaces the whole section; ``--plugins.NAME=SETTINGS`` replaces NAME's settings;
+    ``--plugins.NAME.SETTING[.KEY...]=VALUE`` sets one setting and keeps NAME's other settings. A plugin that is
+    not enabled yet is appended to the end.
+    """
+    for key, value in options:
+        if not key:
+            section = _plugin_section(value, "--plugins")
+            continue
+        name, *path = key.split(".")
+        option = f"--plugins.{key}"
+        if not path:
+            section.update(_plugin_section({name: value}, option))
+            continue
+        settings = section.get(name)
+        if settings is None:
+            settings = section[name] = {}
+        for i, part in enumerate(path[:-1]):
+            inner = settings.setdefault(part, {})
+            if not isinstance(inner, dict):
+                where = ".".join([name, *path[: i + 1]])
+                raise ConfigError(
+                    f"{option}: plugins.{where} = {inner!r} is not a mapping, so it has no key {path[i + 1]!r}"
+                )
+            settings = inner
+        settings[path[-1]] = value
+    return section
+
+
+def _checked_engine(run: Any) -> Any:
+    """The `torchloom.Engine` of a parsed run config: checks the engine settings, imports and configures the
+    enabled plugins and composes them (``hook_order``); builds and runs nothing."""
+    engine_settings = run.engine.as_dict() if run.engine is not None else {}
+    engine = torchloom.Engine(EngineConfig(**engine_settings), plugins=run.plugins)
+    engine.hook_order()
+    return engine
 
 
 def _run_command(parser: Any, cfg: Any, command: str) -> int:
+    if cfg[command].task is None:
+        raise ConfigError(
+            f"{command}: no task; name a TaskModule subclass in the config (task: {{class_path: module.Class}}) "
+            "or with --task=module.Class"
+        )
     resolved = yaml.safe_load(parser.dump(cfg, skip_unset=False))[command]
     resolved.pop("config", None)
     try:
@@ -92,7 +368,7 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
         if cause is None:
             raise
         raise cause from None
-    engine = torchloom.Engine(objects.engine, plugins=objects.plugins)
+    engine = torchloom.Engine(objects.engine, plugins=cfg[command].plugins)  # as merged by _load_run_config
     resolved["plugins"] = engine.resolved_plugin_settings()  # with every default filled in
     engine.run_config = resolved
     engine.plugins.append(_RunDirectoryAnnouncer(engine, command))  # the CLI's own: not in config.yaml
@@ -137,9 +413,9 @@ class _RunDirectoryAnnouncer:
         self._say(accelerator)
 
 
-def _plugins_command(cfg: Any) -> int:
+def _plugins_command(parser: Any, cfg: Any) -> int:
     if cfg.config:
-        return _plugin_order(cfg.config, as_json=cfg.json)
+        return _plugin_order(parser, cfg.config, as_json=cfg.json)
     rows = []
     for name, registrations in torchloom.installed_plugins().items():
         for info in registrations:
@@ -159,14 +435,14 @@ def _plugins_command(cfg: Any) -> int:
             except TorchloomError as exc:
                 row["status"] = f"failed to import: {exc.__cause__!r}"
             else:
-                row["summary"] = (obj.__doc__ or "").strip().splitlines()[0] if obj.__doc__ else ""
+                row["summary"] = _summary(obj.__doc__)
                 row["hooks"] = _implemented_hooks(obj)
             rows.append(row)
     if cfg.json:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        print("no torchloom plugins installed")
+        print(_no_plugins_listed())
     for row in rows:
         print(f"{row['name']}  ({row['distribution']} {row['version']})  [{row['status']}]")
         if row["summary"]:
@@ -188,17 +464,28 @@ def _implemented_hooks(obj: Any) -> list[str]:
     return [n for n in names if pm.parse_hookimpl_opts(obj, n) is not None]
 
 
-def _plugin_order(path: str, as_json: bool) -> int:
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise TorchloomError(f"plugins --config: cannot read {path!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise TorchloomError(f"plugins --config: {path!r} is not valid YAML: {exc}") from None
-    if not isinstance(config, dict):
-        raise TorchloomError(f"plugins --config: {path!r} holds a {type(config).__name__}; expected a mapping")
-    engine = torchloom.Engine(plugins=config.get("plugins"))  # enables the plugins; builds and runs nothing
+def _summary(doc: str | None) -> str:
+    """The first paragraph of a docstring as one line of plain text (RST roles and literals unmarked)."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    paragraph = re.sub(r":[\w:.-]+:`~?([^`]*?)`", lambda m: m.group(1).rpartition(".")[2] or m.group(1), paragraph)
+    paragraph = re.sub(r"`([^`<]*?)\s*<[^`>]*>`__?", r"\1", paragraph)  # `text <url>`_
+    return re.sub(r"``?([^`]+?)``?", r"\1", paragraph)
+
+
+def _no_plugins_listed() -> str:
+    allowed = os.environ.get("TORCHLOOM_PLUGINS")
+    if allowed is None:
+        return "no torchloom plugins installed"
+    names = sorted({ep.name for ep in metadata.entry_points(group="torchloom.plugins")})
+    return (
+        f"no torchloom plugins listed: TORCHLOOM_PLUGINS={allowed!r} allows none of the installed plugins "
+        f"({', '.join(names) or 'none installed'}); unset it to list them all"
+    )
+
+
+def _plugin_order(parser: Any, path: str, as_json: bool) -> int:
+    # Read as every command reads it; enables the plugins, builds and runs nothing.
+    _, engine = _load_run_config(parser, ["fit", "--config", path], "fit", [])
     order = engine.hook_order()  # composed as a run composes them
     enabled = list(engine.resolved_plugin_settings())
     if as_json:
@@ -223,16 +510,40 @@ def _user_error_in(exc: BaseException) -> TorchloomError | None:
 
 
 def _put_config_dir_on_path(argv: list[str]) -> None:
-    """Make modules next to the ``--config`` file (and in the working directory) importable."""
-    paths = [os.getcwd()]
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            paths.append(os.path.dirname(os.path.abspath(argv[i + 1])))
-        elif arg.startswith("--config="):
-            paths.append(os.path.dirname(os.path.abspath(arg.split("=", 1)[1])))
-    for path in reversed(paths):
+    """Make modules next to the ``--config`` file (and in the working directory) importable, after the installed
+    packages: a file there named like a library (``yaml.py``) never replaces it. A config is data; only a
+    ``class_path`` (or a plugin the config enables) imports code."""
+    paths = [os.getcwd()] + [os.path.dirname(os.path.abspath(p)) for p in _config_paths(argv)]
+    for path in paths:
         if path not in sys.path:
-            sys.path.insert(0, path)
+            sys.path.append(path)
+
+
+def _quiet_other_processes(environ: MutableMapping[str, str]) -> bool:
+    """On a process other than the main one of a multi-process run (``WORLD_SIZE`` > 1, ``RANK`` != 0), keep
+    library chatter to the main process: transformers' and datasets' logging at errors only (their load reports
+    print once, from rank 0) and Python warnings off. ``TRANSFORMERS_VERBOSITY``, ``DATASETS_VERBOSITY`` and
+    ``-W`` / ``PYTHONWARNINGS`` set by the user win. Returns whether this is such a process."""
+    if not _is_other_process(environ):
+        return False
+    for variable, module in (("TRANSFORMERS_VERBOSITY", "transformers"), ("DATASETS_VERBOSITY", "datasets")):
+        if variable in environ:
+            continue
+        environ[variable] = "error"  # read when the library is first imported
+        if module in sys.modules:  # already imported: set it directly
+            sys.modules[module].logging.set_verbosity_error()
+    if not sys.warnoptions:
+        warnings.simplefilter("ignore")
+    return True
+
+
+def _is_other_process(environ: Mapping[str, str]) -> bool:
+    """Whether the environment says this is a process other than rank 0 of a run of several processes (set by
+    ``torchrun`` and ``accelerate launch``)."""
+    try:
+        return int(environ.get("WORLD_SIZE", "1")) > 1 and int(environ.get("RANK", "0")) != 0
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -111,9 +112,12 @@ def build_config(plugin_cls: type, settings: Mapping[str, Any] | None) -> Any:
         return settings
     if settings is None:
         settings = {}
-    if not isinstance(settings, Mapping):
-        raise ConfigError(f"plugin {name!r}: settings must be a mapping of name -> value, got {settings!r}")
     fields = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
+    if not isinstance(settings, Mapping):
+        raise ConfigError(
+            f"plugin {name!r}: settings {settings!r} ({type(settings).__name__}); expected a mapping "
+            f"{{setting: value}}. Valid settings: {', '.join(fields) or '(none)'}"
+        )
     hints = typing.get_type_hints(config_cls)
     values = {}
     for key, value in settings.items():
@@ -132,8 +136,23 @@ def build_config(plugin_cls: type, settings: Mapping[str, Any] | None) -> Any:
         values[key] = coerced
     try:
         return config_cls(**values)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"plugin {name!r}: {exc}") from None
+    except Exception as exc:  # a settings class may check with assert, or raise anything: one ConfigError
+        raise ConfigError(f"plugin {name!r}: {_rejection(exc, config_cls, values)}") from None
+
+
+def _rejection(exc: Exception, config_cls: type, values: Mapping[str, Any]) -> str:
+    """What a settings class said when it rejected ``values``: its message when it raised a `ValueError` or
+    `TypeError` with one (the documented way), else the exception type and the failing line of the class."""
+    message = " ".join(str(exc).split())
+    if isinstance(exc, ValueError | TypeError) and message:
+        return message
+    given = ", ".join(f"{k}={v!r}" for k, v in values.items()) or "the defaults"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.name != "<module>"]
+    check = f" at `{frames[-1].line}`" if frames and frames[-1].line else ""
+    return (
+        f"{config_cls.__qualname__} rejected the settings ({given}): "
+        f"{type(exc).__name__}{check}{': ' + message if message else ''}"
+    )
 
 
 def _check_type(value: Any, tp: Any) -> tuple[bool, Any]:
@@ -259,8 +278,17 @@ def find_plugin(name: str) -> PluginInfo:
     installed = installed_plugins()
     if name not in installed:
         allowed = _allow_list()
-        if allowed is not None and name in {ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}:
-            raise PluginError(f"plugin {name!r} is installed but not allowed by {ALLOW_ENV}={os.environ[ALLOW_ENV]!r}")
+        if allowed is not None:
+            everything = sorted({ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)})
+            setting = f"{ALLOW_ENV}={os.environ[ALLOW_ENV]!r}"
+            if name in everything:
+                none = " (it allows no plugin; unset it to allow all)" if not allowed else ""
+                raise PluginError(f"plugin {name!r} is installed but not allowed by {setting}{none}")
+            if not installed:
+                raise PluginError(
+                    f"unknown plugin {name!r}: {setting} allows none of the installed plugins "
+                    f"({', '.join(everything) or 'none installed'}); list the plugins to allow in it, or unset it"
+                )
         close = difflib.get_close_matches(name, installed, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise PluginError(f"unknown plugin {name!r}.{hint} Installed plugins: {', '.join(installed) or '(none)'}")
@@ -322,8 +350,11 @@ def _instantiate(name: str | None, settings: Any) -> Any:
     assert name is not None
     obj = find_plugin(name).load()
     if not isinstance(obj, type):
-        if settings:
-            raise ConfigError(f"plugin {name!r} is a ready-made object and takes no settings")
+        if settings is not None and settings != {}:
+            raise ConfigError(
+                f"plugin {name!r} is a ready-made object and takes no settings; got {settings!r}: "
+                f"enable it with {{{name}: {{}}}} or by name"
+            )
         return obj
     declared = getattr(obj, "name", name)
     if declared != name:
