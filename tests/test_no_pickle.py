@@ -39,10 +39,8 @@ def test_no_source_file_loads_pickles(path):
 
 
 def test_the_scan_finds_what_it_looks_for():
-    code = "\n".join(
-        ["import pickle", "import torch", "torch.load('x')", "torch.load('y', weights_only=False)"]
-        + ["torch.load('z', weights_only=True)"]
-    )
+    lines = ["import pickle", "import torch", "torch.load('x')", "torch.load('y', weights_only=False)"]
+    code = "\n".join([*lines, "torch.load('z', weights_only=True)"])
     assert unsafe_loads(ast.parse(code)) == [
         "1: import pickle",
         "3: torch.load without weights_only=True",
