@@ -199,10 +199,10 @@ class Engine:
         loss, items = outputs["loss"], outputs.get("num_items", 1.0)
         if self.config.nonfinite_loss == "skip":  # the skipped micro-batches do not count in train/loss
             finite = torch.isfinite(loss)
-            loss, items = torch.where(finite, loss, 0.0), finite * items
+            loss, items = torch.where(finite, loss, 0.0), finite.to(loss.dtype) * items
         self.logs.train.log("train/loss", loss, items)
         if isinstance(items, torch.Tensor):  # its sign is checked at the logging interval, on the device
-            self.logs.train.log(NEGATIVE_ITEMS, items < 0)
+            self.logs.train.log(NEGATIVE_ITEMS, (items < 0).to(torch.float32))
         return outputs
 
     def _step_boundary(self, task: TaskModule, run: Run) -> bool:
