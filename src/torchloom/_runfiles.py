@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import yaml
 from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError
@@ -123,8 +124,6 @@ def write_predictions(run_dir: str, predictions: list[Any], accelerator: Any) ->
 
 
 def _prediction_rows(outputs: Any) -> list[dict[str, Any]]:
-    import torch
-
     tensors = dict(outputs) if isinstance(outputs, Mapping) else {"prediction": outputs}
     sizes = {len(v) if isinstance(v, torch.Tensor) and v.ndim else -1 for v in tensors.values()}
     if len(sizes) == 1 and -1 not in sizes:  # batch-first tensors: one row per sample

@@ -64,28 +64,24 @@ class StepHooks:
     ) -> None:
         """Fire ``before_optimizer_step``: call it once per optimizer step, after the last backward of the window
         and before ``optimizer.step()``."""
-        if self._implemented["before_optimizer_step"]:
-            self._relay.call(
-                "before_optimizer_step",
-                model=model,
-                optimizer=optimizer,
-                accelerator=accelerator,
-                progress=progress,
-                log=self.log,
-            )
+        self._fire(
+            "before_optimizer_step", model=model, optimizer=optimizer, accelerator=accelerator, progress=progress
+        )
 
     def after_optimizer_step(
         self, model: torch.nn.Module, optimizer: Any, scheduler: Any, accelerator: Accelerator, progress: Progress
     ) -> None:
         """Fire ``after_optimizer_step``: call it once per optimizer step, after ``optimizer.step()``, the
         scheduler step and ``zero_grad``."""
-        if self._implemented["after_optimizer_step"]:
-            self._relay.call(
-                "after_optimizer_step",
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                accelerator=accelerator,
-                progress=progress,
-                log=self.log,
-            )
+        self._fire(
+            "after_optimizer_step",
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            accelerator=accelerator,
+            progress=progress,
+        )
+
+    def _fire(self, hook_name: str, **kwargs: Any) -> None:
+        if self._implemented[hook_name]:
+            self._relay.call(hook_name, **kwargs, log=self.log)
