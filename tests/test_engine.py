@@ -43,7 +43,7 @@ def expected_fit(
 
     ``sync``: Accelerate syncs every ``accum`` micro-batches and on the last micro-batch of the epoch.
     """
-    calls = ["setup", "configure_accelerator", "configure_model", "configure_optimizers", "on_fit_start"]
+    calls = ["setup", "configure_accelerator", "configure_model", "configure_optimizers", "on_run_start", "on_fit_start"]
     step = 0
     buffered = False  # the training loss is logged on every micro-batch
 
@@ -136,6 +136,7 @@ def test_hook_order_literal_small_fit(tmp_path):
         "configure_accelerator",
         "configure_model",
         "configure_optimizers",
+        "on_run_start",
         "on_fit_start",
         "on_train_epoch_start",
         *["on_train_batch_start", "run_train_step", "before_backward", "before_optimizer_step"],
@@ -248,7 +249,7 @@ def test_training_step_raises_on_exception_then_fit_end_then_teardown(tmp_path):
     batch = ["on_train_batch_start", "run_train_step", "before_backward", "before_optimizer_step"]
     batch += ["after_optimizer_step", "on_train_batch_end"]
     assert rec.calls == [
-        *["setup", "configure_accelerator", "configure_model", "configure_optimizers", "on_fit_start"],
+        *["setup", "configure_accelerator", "configure_model", "configure_optimizers", "on_run_start", "on_fit_start"],
         "on_train_epoch_start",
         *batch,
         *batch,
@@ -264,7 +265,7 @@ def test_validate_hook_sequence(tmp_path):
     task = TinyTask(n=24, batch_size=4)  # 12 validation samples: 3 batches
     metrics = engine.validate(task)
     assert rec.calls == [
-        *["setup", "configure_accelerator", "configure_model", "on_validation_start"],
+        *["setup", "configure_accelerator", "configure_model", "on_run_start", "on_validation_start"],
         *["on_validation_batch_end"] * 3,
         *["on_validation_end", "on_log", "teardown"],
     ]
@@ -281,7 +282,7 @@ def test_predict_hook_sequence(tmp_path):
     x = torch.randn(10, 4, generator=torch.Generator().manual_seed(3))
     predictions = engine.predict(TinyTask(), DataLoader(x, batch_size=4))
     assert rec.calls == [
-        *["setup", "configure_accelerator", "configure_model", "on_predict_start"],
+        *["setup", "configure_accelerator", "configure_model", "on_run_start", "on_predict_start"],
         *["on_predict_batch_end"] * 3,
         *["on_predict_end", "teardown"],
     ]
@@ -298,7 +299,7 @@ def test_validate_and_predict_after_fit_reuse_the_trained_model(tmp_path):
     n_fit = len(rec.calls)
     engine.validate(task)
     assert rec.calls[n_fit:] == [
-        *["setup", "on_validation_start", "on_validation_batch_end", "on_validation_batch_end"],
+        *["setup", "on_run_start", "on_validation_start", "on_validation_batch_end", "on_validation_batch_end"],
         *["on_validation_end", "on_log", "teardown"],
     ]
     n_val = len(rec.calls)
@@ -306,6 +307,7 @@ def test_validate_and_predict_after_fit_reuse_the_trained_model(tmp_path):
     predictions = engine.predict(task, DataLoader(x, batch_size=4))
     assert rec.calls[n_val:] == [
         "setup",
+        "on_run_start",
         "on_predict_start",
         *["on_predict_batch_end"] * 2,
         "on_predict_end",

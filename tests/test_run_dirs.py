@@ -212,3 +212,25 @@ def test_a_full_disk_while_saving_the_model_is_one_error_and_the_previous_run_is
     assert f"cannot save the model to '{tmp_path / 'version_1' / 'model'}': File too large" in error
     assert (tmp_path / "version_0" / "model" / "model.safetensors").stat().st_size > 8000
     assert os.readlink(tmp_path / "latest") == "version_0"  # the failed run is not the latest
+
+
+def test_on_run_start_names_the_run_directory_and_its_config_for_every_stage(tmp_path):
+    """Trackers start in ``on_run_start``: the directory exists, config.yaml holds the same settings, and
+    Accelerate's project and logging directories point into it."""
+    seen: list[tuple[str, str, dict, str | None, str | None]] = []
+
+    class Starter:
+        @torchloom.hookimpl
+        def on_run_start(self, accelerator, stage, run_dir, run_config):
+            written = (Path(run_dir) / "config.yaml").read_text()
+            assert "max_epochs: 1" in written and run_config["engine"]["max_epochs"] == 1
+            seen.append((stage, run_dir, run_config, accelerator.project_dir, accelerator.logging_dir))
+
+    engine = torchloom.Engine(output_dir=str(tmp_path), max_epochs=1, plugins=[Starter()])
+    task = TinyTask()
+    engine.fit(task)
+    engine.validate(task)
+    engine.predict(task, DataLoader(torch.zeros(4, 4), batch_size=2))
+    assert [s[0] for s in seen] == ["fit", "validate", "predict"]
+    assert [s[1] for s in seen] == [str(tmp_path / f"version_{i}") for i in range(3)]
+    assert all(project == logging == run_dir for _, run_dir, _, project, logging in seen)

@@ -296,11 +296,15 @@ class Engine:
             accelerator = accelerator or build_accelerator(relay, cfg)
             run_dir = create_run_dir(cfg.output_dir, accelerator)  # before any data or model is built
             self._metrics_file.start(os.path.join(run_dir, "metrics.jsonl"))
+            project = accelerator.project_configuration  # Accelerate's trackers write inside the run directory
+            project.project_dir = project.logging_dir = run_dir
             config = self.run_config or {"engine": dataclasses.asdict(cfg), "plugins": self.resolved_plugin_settings()}
             if run is not None:
-                return reuse_run(run, task, stage, loaders, run_dir, config)
-            self._run = prepare_run(task, stage, cfg, relay, accelerator, datamodule, loaders, config, run_dir)
-            return self._run
+                run = reuse_run(run, task, stage, loaders, run_dir, config)
+            else:
+                run = self._run = prepare_run(task, stage, cfg, relay, accelerator, datamodule, loaders, config, run_dir)
+            relay.call("on_run_start", accelerator=accelerator, stage=stage, run_dir=run_dir, run_config=config)
+            return run
         except BaseException as exc:
             note_run_failed()
             if accelerator is not None:

@@ -22,6 +22,7 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
     configure_accelerator                     1x
     configure_model                           1x
     configure_optimizers                      1x (first non-None result wins, else the task's)
+    on_run_start                              1x: the run directory exists, the model is prepared
     on_fit_start                              1x
     sanity validation                         num_sanity_val_steps batches, no hooks, nothing logged
     for epoch in range(E):
@@ -179,6 +180,33 @@ def configure_optimizers(
         @torchloom.hookimpl
         def configure_optimizers(self, model):
             return torch.optim.SGD(model.parameters(), lr=self.config.lr)
+    """
+
+
+@hookspec
+def on_run_start(accelerator: Accelerator, stage: str, run_dir: str, run_config: Mapping[str, Any]) -> None:
+    """Called when a ``fit`` / ``validate`` / ``predict`` call has its run directory and prepared model.
+
+    **Fires:** once per call, on every rank, after the set-up (``configure_*``) and before anything runs
+    (``on_fit_start``, ``on_validation_start``, ``on_predict_start``). Start trackers or progress displays
+    here; close them in ``teardown``. ``accelerator.project_dir`` and ``accelerator.logging_dir`` are
+    ``run_dir``, so Accelerate's ``accelerator.init_trackers`` writes inside the run directory.
+
+    :param accelerator: the run's Accelerator.
+    :param stage: ``"fit"``, ``"validate"`` or ``"predict"``.
+    :param run_dir: this call's directory, ``<output_dir>/version_N`` (it exists on every rank's file system
+        view of the main process; only the main process writes shared files there).
+    :param run_config: the resolved configuration written to ``<run_dir>/config.yaml`` (``engine``,
+        ``plugins`` and, from the CLI, ``task`` and ``data``): the hyperparameters to record. Do not mutate.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def on_run_start(self, accelerator, run_dir, run_config):
+            if accelerator.is_main_process:
+                print(f"writing to {run_dir}")
     """
 
 

@@ -136,6 +136,10 @@ class RecordingPlugin:
         self._record("configure_optimizers")
 
     @hookimpl
+    def on_run_start(self, stage) -> None:
+        self._record("on_run_start", stage)
+
+    @hookimpl
     def on_fit_start(self, progress) -> None:
         self._record("on_fit_start", progress)
 
