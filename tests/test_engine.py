@@ -43,7 +43,8 @@ def expected_fit(
 
     ``sync``: Accelerate syncs every ``accum`` micro-batches and on the last micro-batch of the epoch.
     """
-    calls = ["setup", "configure_accelerator", "configure_model", "configure_optimizers", "on_run_start", "on_fit_start"]
+    calls = ["setup", "configure_accelerator", "configure_model", "configure_optimizers", "on_run_start"]
+    calls.append("on_fit_start")
     step = 0
     buffered = False  # the training loss is logged on every micro-batch
 

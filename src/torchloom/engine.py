@@ -302,7 +302,8 @@ class Engine:
             if run is not None:
                 run = reuse_run(run, task, stage, loaders, run_dir, config)
             else:
-                run = self._run = prepare_run(task, stage, cfg, relay, accelerator, datamodule, loaders, config, run_dir)
+                run = prepare_run(task, stage, cfg, relay, accelerator, datamodule, loaders, config, run_dir)
+                self._run = run
             relay.call("on_run_start", accelerator=accelerator, stage=stage, run_dir=run_dir, run_config=config)
             return run
         except BaseException as exc:
