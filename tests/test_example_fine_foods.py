@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -41,6 +42,15 @@ def fine_foods():
         yield fine_foods
     finally:
         sys.path.remove(str(EXAMPLES))
+
+
+def _tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one scalar of the TensorBoard event files in ``log_dir``, read with TensorBoard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    reader = EventAccumulator(str(log_dir))
+    reader.Reload()
+    return [(event.step, event.value) for event in reader.Scalars(tag)]
 
 
 @pytest.fixture
@@ -82,6 +92,13 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
     assert 0.0 <= final["val/accuracy"] <= 1.0 and 0.0 <= final["val/majority_rate"] <= 1.0
     assert final["val/loss"] > 0 and "train/loss" not in final
     assert "val/accuracy" in result.stdout and "val/majority_rate" in result.stdout
+    # The trackers plugin (enabled in the config) wrote a TensorBoard log into the run directory: read back with
+    # TensorBoard's own reader, it holds the same validation accuracy at the same step (float32).
+    assert config["plugins"]["trackers"]["log_with"] == ["tensorboard"]
+    assert list((out / "latest" / "torchloom").glob("events.out.tfevents.*"))
+    assert _tensorboard_scalars(out / "latest" / "torchloom", "val/accuracy") == [
+        (4, float(np.float32(final["val/accuracy"])))
+    ]
 
     # The saved directory is a complete model + tokenizer: reloaded, it reproduces the logged accuracy and
     # loss over the same 64 validation reviews exactly.
@@ -115,6 +132,10 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
         assert done.returncode == 0, done.stderr[-3000:]
     (validation,) = [json.loads(line) for line in (out / "version_1" / "metrics.jsonl").open()]
     assert validation["val/accuracy"] == pytest.approx(final["val/accuracy"], abs=1e-12)
+    # validate writes a TensorBoard log of its own (at step 0: a model loaded from disk), not into the fit's
+    assert _tensorboard_scalars(out / "version_1" / "torchloom", "val/accuracy") == [
+        (0, float(np.float32(validation["val/accuracy"])))
+    ]
     assert validation["val/loss"] == pytest.approx(final["val/loss"], abs=1e-5)
     rows = [json.loads(line) for line in (out / "version_2" / "predictions.jsonl").open()]
     assert len(rows) == 64 and sum(r["label"] == (r["p_great"] > 0.5) for r in rows) == 64
@@ -178,7 +199,8 @@ def test_techniques_config_composes_all_plugins_on_the_real_model(fine_foods, tm
     result = subprocess.run([*command, f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     resolved = yaml.safe_load((out / "latest" / "config.yaml").read_text())
-    assert list(resolved["plugins"]) == ["grad_accum", "mixed_precision", "grad_checkpoint", "optimizer"]
+    techniques = [name for name in resolved["plugins"] if name != "progress"]  # the command may add its display
+    assert techniques == ["grad_accum", "mixed_precision", "grad_checkpoint", "optimizer"]
     records = [json.loads(line) for line in (out / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 4  # 64 reviews / micro-batch 8 = 8 micro-batches / 2 per step
     state_bytes = [r["optimizer/state_bytes"] for r in records if "optimizer/state_bytes" in r]

@@ -62,6 +62,9 @@ def build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
         kwargs.setdefault(
             "dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed)
         )
+    # Trackers that write files (TensorBoard, Aim) need a logging directory when the Accelerator is built; the engine
+    # points project_dir and logging_dir at the run directory as soon as that exists, before any tracker starts.
+    kwargs.setdefault("project_dir", config.output_dir)
     if _cpu_only_multiprocess_launch():
         # Without cpu=True, Accelerate on a machine without GPUs would run every torchrun process as an
         # independent single-process job. With it, the processes form one gloo data-parallel group.
