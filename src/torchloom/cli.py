@@ -14,7 +14,9 @@ subclass + ``init_args``), ``data`` (same for a `DataModule`, optional) and ``pl
 setting and keeps the others. The directory of the ``--config`` file (and the working directory) go on
 ``sys.path`` *after* the installed packages, so tasks defined next to it import by module name but a file there
 cannot shadow a library; a ``class_path`` imports (runs) the module it names.
-Errors caused by bad input print one line and exit with status 2; no traceback.
+Errors caused by bad input print one line and exit with status 2; no traceback. ``fit``, ``validate`` and
+``predict`` also enable the `DEFAULT_PLUGINS` (the ``progress`` display and summary) unless the config names them;
+``--print_config`` and ``plugins --config`` show the config as given, ``config.yaml`` what the run enabled.
 
 The command is a client of torchloom's public API (the names in ``torchloom.__all__``), as a plugin is: it
 builds and composes plugins through `torchloom.Engine` (``Engine.hook_order`` for the call order) and lists
@@ -42,6 +44,9 @@ from torchloom import ConfigError, DataModule, EngineConfig, TaskModule, Torchlo
 __all__ = ["main"]
 
 RUN_COMMANDS = ("fit", "validate", "predict")
+#: Plugins every run command enables, after the config's own, unless the config names them (a config that names one
+#: uses its settings, e.g. ``progress: {enabled: false}``) or ``TORCHLOOM_PLUGINS`` does not allow them.
+DEFAULT_PLUGINS = ("progress",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -368,7 +373,8 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
         if cause is None:
             raise
         raise cause from None
-    engine = torchloom.Engine(objects.engine, plugins=cfg[command].plugins)  # as merged by _load_run_config
+    plugins = _with_default_plugins(cfg[command].plugins)  # as merged by _load_run_config, + the defaults
+    engine = torchloom.Engine(objects.engine, plugins=plugins)
     resolved["plugins"] = engine.resolved_plugin_settings()  # with every default filled in
     engine.run_config = resolved
     engine.plugins.append(_RunDirectoryAnnouncer(engine, command))  # the CLI's own: not in config.yaml
@@ -385,6 +391,17 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
         for name, value in sorted(metrics.items()):
             print(f"  {name} = {value:.6g}")
     return 0
+
+
+def _with_default_plugins(section: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The run's plugins: the config's, in its order, then each of `DEFAULT_PLUGINS` that the config does not name
+    and that is installed and allowed (``TORCHLOOM_PLUGINS``), with its default settings."""
+    plugins = dict(section or {})
+    installed = torchloom.installed_plugins()
+    for name in DEFAULT_PLUGINS:
+        if name not in plugins and name in installed:
+            plugins[name] = None
+    return plugins
 
 
 class _RunDirectoryAnnouncer:
