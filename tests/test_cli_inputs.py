@@ -307,7 +307,7 @@ class Logs(TinyTask):
 @pytest.mark.parametrize(
     ("what", "fragment"),
     [
-        ("text", "log('note'): value 'text' is a str; expected a number or a one-element tensor"),
+        ("text", "log('note'): value 'text' is a str; expected a number, a one-element tensor or a torchmetrics"),
         ("none", "log('note'): value None is a NoneType"),
         ("bool", "log('note'): value True is a bool"),
         ("vector", "log('note'): value is a torch.float32 tensor of shape (3,); expected a single real number"),

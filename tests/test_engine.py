@@ -46,10 +46,12 @@ def expected_fit(
     calls = ["setup", "configure_accelerator", "configure_model", "configure_optimizers", "on_run_start"]
     calls.append("on_fit_start")
     step = 0
+    validated_at = -1
     buffered = False  # the training loss is logged on every micro-batch
 
     def validate() -> None:
-        nonlocal buffered
+        nonlocal validated_at
+        validated_at = step
         if val_batches:
             calls.extend(["on_validation_start", *["on_validation_batch_end"] * val_batches, "on_validation_end"])
             calls.append("on_log")  # the task logs val/loss, reduced right after the pass (validation values only)
@@ -85,7 +87,10 @@ def expected_fit(
             break
     if buffered:  # the training values since the last logging step
         calls.append("on_log")
-    calls.extend(["on_train_end", "on_fit_end", "teardown"])
+    calls.append("on_train_end")
+    if validated_at != step:  # a final validation: the returned metrics describe the saved model
+        validate()
+    calls.extend(["on_fit_end", "teardown"])
     return calls
 
 
@@ -175,12 +180,23 @@ def test_hook_order_without_validation(tmp_path):
 
 
 def test_hook_order_with_val_check_interval(tmp_path):
-    """Validation every 3 optimizer steps over 2 epochs of 4: after steps 3 and 6, never at epoch end."""
+    """Validation every 3 optimizer steps over 2 epochs of 4: after steps 3 and 6, never at epoch end; the
+    last step (8) is not a multiple of 3, so a final validation after on_train_end describes the saved model."""
     rec = RecordingPlugin()
-    fit(tmp_path, [rec], task=TinyTask(n=16, batch_size=4), max_epochs=2, val_check_interval=3)
+    engine = fit(tmp_path, [rec], task=TinyTask(n=16, batch_size=4), max_epochs=2, val_check_interval=3)
     assert rec.calls == expected_fit(2, 4, 2, val_check_interval=3)
     starts = [p for hook, p in rec.records if hook == "on_validation_start"]
-    assert [(p.epoch, p.global_step) for p in starts] == [(0, 3), (1, 6)]
+    assert [(p.epoch, p.global_step) for p in starts] == [(0, 3), (1, 6), (1, 8)]
+    assert rec.calls.index("on_train_end") < rec.calls.index("on_validation_start", rec.calls.index("on_train_end"))
+    final = [r for r in engine.history if "val/loss" in r][-1]
+    assert final["step"] == 8 and engine.logged_metrics["val/loss"] == final["val/loss"]
+
+
+def test_no_final_validation_when_the_last_step_was_validated(tmp_path):
+    rec = RecordingPlugin()
+    fit(tmp_path, [rec], task=TinyTask(n=16, batch_size=4), max_epochs=2, val_check_interval=4)
+    starts = [p.global_step for hook, p in rec.records if hook == "on_validation_start"]
+    assert starts == [4, 8]
 
 
 def test_hook_order_max_steps_stops_mid_epoch(tmp_path):

@@ -482,9 +482,10 @@ class OptimizerSwap(torchloom.Plugin):
     @torchloom.hookimpl
     def after_optimizer_step(self, optimizer, log) -> None:
         # Under the Adafactor proxy schedule group 0's lr is a 0-dim tensor: logged without a sync.
-        log("lr", self._lr_used if self._lr_used is not None else optimizer.param_groups[0]["lr"])
+        # A current value: the last one of the logging interval is reported, not an interval mean.
+        log("lr", self._lr_used if self._lr_used is not None else optimizer.param_groups[0]["lr"], reduce="last")
         if not self._state_logged and not getattr(optimizer, "step_was_skipped", False):
-            log("optimizer/state_bytes", float(optimizer_state_bytes(optimizer)))
+            log("optimizer/state_bytes", float(optimizer_state_bytes(optimizer)), reduce="last")
             self._state_logged = True
 
     @torchloom.hookimpl

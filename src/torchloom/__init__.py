@@ -3,6 +3,7 @@
 The public API is exactly what this module exports; plugins (built-in or third-party) import nothing else.
 """
 
+from torchloom._logging import request_stop
 from torchloom.config import EngineConfig
 from torchloom.data import DataModule
 from torchloom.engine import Engine
@@ -39,5 +40,6 @@ __all__ = [
     "hookspec",
     "installed_plugins",
     "load_plugin_state",
+    "request_stop",
     "save_plugin_state",
 ]

@@ -9,72 +9,180 @@ from accelerate.utils import gather_object
 
 from torchloom.errors import TaskError
 
-__all__ = ["LogBuffer"]
+__all__ = ["REDUCTIONS", "LogBuffer", "compute_metric"]
+
+#: How the values of one name are combined over an interval and over the ranks (``log(..., reduce=...)``).
+#: ``mean`` is weighted by ``weight``; ``last`` keeps the latest value of the interval, from the main process.
+REDUCTIONS = ("mean", "sum", "max", "min", "last")
 
 
 class LogBuffer:
-    """Weighted running sums of logged values, kept on device until `reduce`."""
+    """Running reductions of logged values, kept on device until `reduce`; torchmetrics objects, kept until then too.
+
+    A plain value is folded into a running sum (``mean``: with its weight), maximum, minimum or latest value
+    on its own device, so logging never waits for the device. A `torchmetrics.Metric` is registered as it
+    is; `reduce` computes it (torchmetrics synchronises its state over the ranks then) and resets it.
+    """
 
     def __init__(self) -> None:
-        self._sums: dict[str, Any] = {}  # 0-dim tensors on the values' device, or floats
-        self._weights: dict[str, Any] = {}
+        self._values: dict[str, Any] = {}  # name -> 0-dim tensor on the values' device, or float
+        self._weights: dict[str, Any] = {}  # name -> summed weight (mean only)
+        self._reductions: dict[str, str] = {}
+        self.metrics: dict[str, Any] = {}  # name -> torchmetrics.Metric
 
-    def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
-        """Add ``value * weight`` to the running sum of ``name`` (see `TaskModule.log`)."""
+    def log(
+        self, name: str, value: torch.Tensor | float | Any, weight: torch.Tensor | float = 1.0, reduce: str = "mean"
+    ) -> None:
+        """Fold ``value`` into the running ``reduce`` of ``name``, or register a torchmetrics ``Metric`` (see
+        `TaskModule.log`)."""
         # A bad name or value is the task's input error: a `TaskError` (a TypeError and a ValueError too), one line.
         if not isinstance(name, str) or not name:
             raise TaskError(f"log({name!r}, ...): the name is a {type(name).__name__}; expected a non-empty string")
+        if reduce not in REDUCTIONS:
+            raise TaskError(f"log({name!r}): reduce={reduce!r} is not one of {', '.join(REDUCTIONS)}")
+        known = self._reductions.get(name)
+        if _is_metric(value):
+            if known is not None and known != "metric":
+                raise TaskError(f"log({name!r}): already logged as a number in this interval; log a Metric or numbers")
+            self._reductions[name] = "metric"
+            self.metrics[name] = value
+            return
+        if known is not None and known != reduce:
+            raise TaskError(f"log({name!r}): logged with reduce={known!r} and reduce={reduce!r} in one interval")
         for what, x in (("value", value), ("weight", weight)):
             if isinstance(x, bool) or not isinstance(x, torch.Tensor | int | float):
                 kind = type(x).__name__
                 raise TaskError(
-                    f"log({name!r}): {what} {x!r:.60} is a {kind}; expected a number or a one-element tensor"
+                    f"log({name!r}): {what} {x!r:.60} is a {kind}; expected a number, a one-element tensor or a "
+                    "torchmetrics Metric"
                 )
             if isinstance(x, torch.Tensor) and (x.numel() != 1 or x.is_complex() or x.dtype == torch.bool):
                 raise TaskError(
                     f"log({name!r}): {what} is a {x.dtype} tensor of shape {tuple(x.shape)}; expected a single real "
                     "number (a one-element tensor, or a float): reduce it, e.g. with .mean()"
                 )
+        if reduce != "mean" and not (isinstance(weight, int | float) and weight == 1):
+            raise TaskError(f"log({name!r}): a weight applies to reduce='mean' only, not to reduce={reduce!r}")
         if isinstance(value, torch.Tensor):
             value = value.detach().reshape(())
             value = value.to(torch.float64 if value.device.type != "mps" else torch.float32)
-        if isinstance(weight, torch.Tensor):
-            weight = weight.detach().reshape(()).to(value.dtype if isinstance(value, torch.Tensor) else torch.float64)
-        self._sums[name] = self._sums.get(name, 0.0) + value * weight
-        self._weights[name] = self._weights.get(name, 0.0) + weight
+        self._reductions[name] = reduce
+        if reduce == "mean":
+            if isinstance(weight, torch.Tensor):
+                weight = weight.detach().reshape(())
+                weight = weight.to(value.dtype if isinstance(value, torch.Tensor) else torch.float64)
+            self._values[name] = self._values.get(name, 0.0) + value * weight
+            self._weights[name] = self._weights.get(name, 0.0) + weight
+        elif known is None or reduce == "last":
+            self._values[name] = value
+        elif reduce == "sum":
+            self._values[name] = self._values[name] + value
+        else:  # max / min, on the device (a Python comparison of tensors would sync)
+            previous = torch.as_tensor(self._values[name], dtype=torch.float64)
+            current = torch.as_tensor(value, dtype=torch.float64)
+            if isinstance(value, torch.Tensor):
+                previous = previous.to(value.device)
+            elif isinstance(self._values[name], torch.Tensor):
+                current = current.to(previous.device)
+            extreme = torch.maximum if reduce == "max" else torch.minimum
+            self._values[name] = extreme(previous, current)
 
     def clear(self) -> None:
-        """Drop everything buffered."""
-        self._sums.clear()
+        """Drop everything buffered (registered metrics are forgotten, not reset)."""
+        self._values.clear()
         self._weights.clear()
+        self._reductions.clear()
+        self.metrics.clear()
+
+    def reset_metrics(self) -> None:
+        """Reset every registered torchmetrics object and forget it (what the sanity pass logged)."""
+        for metric in self.metrics.values():
+            metric.reset()
+        self.clear()
 
     def __bool__(self) -> bool:
-        return bool(self._sums)
+        return bool(self._reductions)
 
     def reduce(self, accelerator: Any) -> dict[str, float]:
-        """Return name -> weighted mean over everything buffered, on every rank, and clear the buffer.
+        """Return name -> value over everything buffered, the same on every rank, and clear the buffer.
 
-        One collective (a sum over ranks) and one device-to-host copy, whatever the number of names.
+        Plain values: one collective (a gather of every name's partial result) and one device-to-host copy,
+        whatever the number of names; ``mean`` is the weighted mean over the interval and the ranks, ``sum``
+        the total, ``max`` / ``min`` the extreme, ``last`` the main process's latest value. Metrics: each is
+        computed (torchmetrics gathers its state over the ranks), then reset.
+
+        Raises:
+            TaskError: the ranks logged different names or reductions; a metric's compute failed or did not
+                give a single number (the metric is left usable: its local state, not the synchronised one).
         """
-        names = sorted(self._sums)
+        names = sorted(n for n in self._reductions if n not in self.metrics)
         if accelerator.num_processes > 1:
             # One small object gather per logging interval turns a rank logging other names (which would make
             # the reduction below mismatch or hang) into a clear error.
-            per_rank = gather_object([names])
-            if any(other != names for other in per_rank):
+            signature = sorted(n if r == "mean" else f"{n} ({r})" for n, r in self._reductions.items())
+            per_rank = gather_object([signature])
+            if any(other != signature for other in per_rank):
                 listing = "; ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
                 raise TaskError(f"every process must log the same names between two logging steps; got {listing}")
-        if not names:
-            return {}
+        reduced = self._reduce_values(names, accelerator) if names else {}
+        metrics, self.metrics = self.metrics, {}
+        self.clear()
+        for name in sorted(metrics):
+            reduced[name] = compute_metric(name, metrics[name])
+            metrics[name].reset()
+        return reduced
+
+    def _reduce_values(self, names: list[str], accelerator: Any) -> dict[str, float]:
         dtype = torch.float64 if accelerator.device.type != "mps" else torch.float32
 
-        def column(d: dict[str, Any]) -> torch.Tensor:
-            return torch.stack([torch.as_tensor(d[n], dtype=dtype).to(accelerator.device) for n in names])
+        def column(values: list[Any]) -> torch.Tensor:
+            return torch.stack([torch.as_tensor(v, dtype=dtype).to(accelerator.device) for v in values])
 
-        totals = torch.stack([column(self._sums), column(self._weights)])
-        if accelerator.num_processes > 1:
-            totals = accelerator.reduce(totals, reduction="sum")
-        means = (totals[0] / totals[1]).tolist()
-        self._sums.clear()
-        self._weights.clear()
-        return dict(zip(names, means))
+        values = column([self._values[n] for n in names])
+        local = torch.stack([values, column([self._weights.get(n, 0) for n in names])])
+        # (ranks, 2, names): row 0 the partial value, row 1 the summed weight (mean only)
+        table = accelerator.gather(local[None]) if accelerator.num_processes > 1 else local[None]
+        values, weights = table[:, 0], table[:, 1]
+        combined = {
+            "mean": values.sum(0) / weights.sum(0),
+            "sum": values.sum(0),
+            "max": values.max(0).values,
+            "min": values.min(0).values,
+            "last": values[0],
+        }
+        kinds = [self._reductions[n] for n in names]
+        result = torch.stack([combined[k][i] for i, k in enumerate(kinds)]).tolist()
+        return dict(zip(names, result))
+
+
+def _is_metric(value: Any) -> bool:
+    if isinstance(value, torch.Tensor | int | float):
+        return False
+    from torchmetrics import Metric  # only when something that is not a number is logged
+
+    return isinstance(value, Metric)
+
+
+def compute_metric(name: str, metric: Any) -> float:
+    """``metric.compute()`` as one float; a failure leaves the metric usable.
+
+    torchmetrics (1.9) synchronises a metric's state over the ranks before compute and restores the local state
+    after it, but not when compute raises: the metric stays synchronised and its next ``update`` raises. Here
+    the local state is restored first.
+
+    Raises:
+        TaskError: compute raised, or its result is not a single number.
+    """
+    try:
+        value = metric.compute()
+    except Exception as exc:
+        if getattr(metric, "_is_synced", False):
+            metric.unsync()
+        raise TaskError(f"metric {name!r} ({type(metric).__name__}): compute failed: {exc}") from exc
+    if not isinstance(value, torch.Tensor | int | float) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TaskError(
+            f"metric {name!r} ({type(metric).__name__}) computed {shape}; expected a single number "
+            "(e.g. average='macro' rather than None)"
+        )
+    return float(value.double().item()) if isinstance(value, torch.Tensor) else float(value)

@@ -17,7 +17,7 @@ import torch
 
 from torchloom._logbuffer import LogBuffer
 
-__all__ = ["INTERNAL_PREFIX", "RunLog", "log_to_active_run"]
+__all__ = ["INTERNAL_PREFIX", "RunLog", "log_to_active_run", "request_stop"]
 
 #: Names under this prefix are the engine's own checks: reduced with the rest, never reported.
 INTERNAL_PREFIX = "torchloom/"
@@ -25,7 +25,9 @@ INTERNAL_PREFIX = "torchloom/"
 _ACTIVE: ContextVar[RunLog | None] = ContextVar("torchloom_active_run_log", default=None)
 
 
-def log_to_active_run(name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+def log_to_active_run(
+    name: str, value: torch.Tensor | float | Any, weight: torch.Tensor | float = 1.0, reduce: str = "mean"
+) -> None:
     """Buffer a value in the run active in this thread (see `TaskModule.log`).
 
     Raises:
@@ -34,7 +36,32 @@ def log_to_active_run(name: str, value: torch.Tensor | float, weight: torch.Tens
     run_log = _ACTIVE.get()
     if run_log is None:
         raise RuntimeError(f"log({name!r}) called outside Engine.fit / validate / predict")
-    run_log.log(name, value, weight)
+    run_log.log(name, value, weight, reduce)
+
+
+def request_stop(reason: str) -> None:
+    """Ask the running ``fit`` to stop after the current optimizer step (see `TaskModule.request_stop`).
+
+    The request is this process's until the engine's next check, where it is combined over the ranks: every
+    rank stops at the same optimizer step. Checks happen after each logging of training values
+    (``log_every_n_steps``), after each validation pass and at the end of each epoch. The fit then ends as a
+    success: ``on_train_end``, a final validation if the last step was not validated, the model save,
+    ``on_fit_end`` and ``teardown``. `Engine.stop_reason` holds the reason afterwards.
+
+    Args:
+        reason (`str`): why, for people: printed by the CLI and kept in `Engine.stop_reason`.
+
+    Raises:
+        RuntimeError: no ``fit`` / ``validate`` / ``predict`` is running in this thread.
+        TypeError: ``reason`` is not a non-empty string.
+    """
+    if not isinstance(reason, str) or not reason:
+        raise TypeError(f"request_stop(reason): reason must be a non-empty string; got {reason!r}")
+    run_log = _ACTIVE.get()
+    if run_log is None:
+        raise RuntimeError("request_stop() called outside Engine.fit / validate / predict")
+    if run_log.stop_reason is None:  # the first request's reason is kept
+        run_log.stop_reason = reason
 
 
 class RunLog:
@@ -50,17 +77,22 @@ class RunLog:
         self._buffer = self.train
         self.history: list[dict[str, Any]] = []
         self.latest: dict[str, float] = {}
+        #: The reason of this process's pending stop request (`request_stop`), ``None`` without one.
+        self.stop_reason: str | None = None
 
-    def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+    def log(
+        self, name: str, value: torch.Tensor | float | Any, weight: torch.Tensor | float = 1.0, reduce: str = "mean"
+    ) -> None:
         """Add a value to the buffer of the current stage (validation inside `validating`, else training)."""
-        self._buffer.log(name, value, weight)
+        self._buffer.log(name, value, weight, reduce)
 
     def clear(self) -> None:
-        """Forget everything: buffers, history and latest values (a new run starts)."""
+        """Forget everything: buffers, history, latest values and a stop request (a new run starts)."""
         self.train.clear()
         self.val.clear()
         self.history.clear()  # in place: Engine.history and Engine.logged_metrics are these objects
         self.latest.clear()
+        self.stop_reason = None
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -82,11 +114,13 @@ class RunLog:
 
     @contextmanager
     def discarding(self) -> Iterator[None]:
-        """Check what is logged (types, shapes) and drop it: the sanity pass."""
+        """Check what is logged (types, shapes) and drop it: the sanity pass. A torchmetrics object logged here
+        is reset afterwards, so what it saw during the pass is not counted later."""
         previous, self._buffer = self._buffer, LogBuffer()
         try:
             yield
         finally:
+            self._buffer.reset_metrics()
             self._buffer = previous
 
     def reduce(self, buffer: LogBuffer, accelerator: Any, step: int, epoch: int) -> tuple[dict[str, float], dict]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from torchloom._accelerator import build_accelerator, note_run_failed
 from torchloom._default_step import DefaultTrainStep
@@ -26,6 +27,7 @@ from torchloom._guards import (
     stop_iteration,
 )
 from torchloom._logging import RunLog
+from torchloom._padding import batch_size, real_rows, take_rows
 from torchloom._runfiles import (
     MetricsFile,
     config_dict,
@@ -73,6 +75,8 @@ class Engine:
         history (`list[dict]`): every reduction of logged values in the last run (``step``, ``epoch``, names);
             the same list on every rank.
         logged_metrics (`dict[str, float]`): the latest value of every logged name.
+        stop_reason (`str` or ``None``): why the last fit stopped before ``max_epochs`` / ``max_steps``, when a
+            plugin or the task asked it to (`torchloom.request_stop`); ``None`` otherwise.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any) -> None:
@@ -90,6 +94,8 @@ class Engine:
         self._default_step = DefaultTrainStep()
         self._metrics_file = MetricsFile()
         self._checks = TrainingChecks(self.config.nonfinite_loss)
+        self.stop_reason: str | None = None
+        self._validated_at = -1  # the global_step of the last validation of this fit
 
     @property
     def accelerator(self) -> Accelerator | None:
@@ -126,6 +132,7 @@ class Engine:
         run = self._start(task, "fit", datamodule, train_dataloader=train_dataloader, val_dataloader=val_dataloader)
         relay, acc, model = run.relay, run.accelerator, run.model
         self.progress, self._checks = Progress(), TrainingChecks(self.config.nonfinite_loss)
+        self.stop_reason, self._validated_at = None, -1
         end = {"accelerator": acc, "task": task, "model": model}
         error: BaseException | None = None
         try:
@@ -139,6 +146,8 @@ class Engine:
                 self._log_training(run)
                 relay.call("on_train_end", **end, progress=self.progress, log=self.logs.log)
                 self._log_training(run)
+                if self._validated_at != self.progress.global_step:  # the returned metrics describe the saved model
+                    self._validate(task, run)
                 finish_fit(task, run, self.config)  # the model (save_model: true), then the latest link
                 acc.wait_for_everyone()  # no process reports success before every process has finished
         except BaseException as exc:
@@ -180,7 +189,7 @@ class Engine:
         if self.config.val_check_interval is None:
             self._validate(task, run)
         relay.call("on_train_epoch_end", accelerator=acc, progress=self.progress, log=self.logs.log)
-        return done
+        return self._stop_requested(run) or done
 
     def _train_step(self, task: TaskModule, run: Run, batch: Any, progress: Progress) -> dict[str, Any]:
         """One micro-batch through ``run_train_step``; buffer its loss for logging (no host-device sync)."""
@@ -209,11 +218,24 @@ class Engine:
         """After an optimizer step: count it, log and validate at their intervals; return whether to stop."""
         cfg = self.config
         p = self.progress = dataclasses.replace(self.progress, global_step=self.progress.global_step + 1)
-        if p.global_step % cfg.log_every_n_steps == 0:
+        logged = p.global_step % cfg.log_every_n_steps == 0
+        if logged:
             self._log_training(run)
         if cfg.val_check_interval and p.global_step % cfg.val_check_interval == 0:
             self._validate(task, run)
+            logged = True
+        if logged and self._stop_requested(run):
+            return True
         return cfg.max_steps is not None and p.global_step >= cfg.max_steps
+
+    def _stop_requested(self, run: Run) -> bool:
+        """Whether any rank asked to stop (`torchloom.request_stop`): the same answer on every rank, which all
+        call this at the same points (one small object gather with several processes)."""
+        reasons = [self.logs.stop_reason]
+        if run.accelerator.num_processes > 1:
+            reasons = gather_object(reasons)
+        self.stop_reason = next((r for r in reasons if r is not None), None)
+        return self.stop_reason is not None
 
     def _log_training(self, run: Run) -> None:
         """Reduce the training values (every rank), send them to ``on_log``, and check them (`TrainingChecks`)."""
@@ -241,7 +263,9 @@ class Engine:
     def predict(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> list[Any]:
         """Run `TaskModule.predict_step` over the data; return this rank's outputs, one per batch.
 
-        The model is in eval mode during prediction; every module gets its own mode back afterwards. The outputs are
+        The model is in eval mode during prediction; every module gets its own mode back afterwards. With several
+        processes each sample is predicted once: the copies Accelerate pads the last batch with are cut off the
+        outputs of ``predict_step`` (a process whose share is only copies drops its output). The outputs are
         also written to ``<run_dir>/predictions.jsonl``, one JSON line per sample (see the user guide).
 
         Raises:
@@ -254,6 +278,11 @@ class Engine:
             relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
             for batch_idx, batch in enumerate(run.predict_dataloader):
                 outputs = task.predict_step(batch, batch_idx)
+                rows = real_rows(run.predict_dataloader, acc)  # the outputs lose Accelerate's padding copies
+                if rows == 0:  # only copies on this process
+                    continue
+                if rows is not None and (size := batch_size(batch)) is not None:
+                    outputs, batch = take_rows(outputs, rows, size), take_rows(batch, rows, size)
                 if relay.implemented("on_predict_batch_end"):
                     relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
                 predictions.append(outputs)
@@ -266,12 +295,17 @@ class Engine:
             return {}
         relay, acc, model, p = run.relay, run.accelerator, run.model, self.progress
         check_same_length(acc, run.val_dataloader, "validation")
+        self._validated_at = p.global_step
+        loader, batch_end = run.val_dataloader, relay.implemented("on_validation_batch_end")
         with eval_mode(model), self.logs.validating():  # every module gets its own mode back afterwards
             relay.call("on_validation_start", task=task, model=model, accelerator=acc, progress=p)
             with torch.no_grad():
-                for batch_idx, batch in enumerate(run.val_dataloader):
-                    outputs = task.validation_step(batch, batch_idx)
-                    if relay.implemented("on_validation_batch_end"):
+                for batch_idx, batch in enumerate(loader):
+                    outputs = task.validation_step(batch, batch_idx)  # the whole batch: gather_for_metrics works
+                    rows = real_rows(loader, acc)  # the outputs lose Accelerate's padding copies: each sample once
+                    if batch_end and rows != 0:
+                        if rows is not None and (size := batch_size(batch)) is not None:
+                            outputs, batch = take_rows(outputs, rows, size), take_rows(batch, rows, size)
                         relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
             relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self.logs.log)
         return self._reduce(run, self.logs.val)[0]

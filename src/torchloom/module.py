@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchloom._logging import log_to_active_run
+from torchloom._logging import log_to_active_run, request_stop
 from torchloom.errors import ConfigError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
+    from torchmetrics import Metric
 
 __all__ = ["TaskModule"]
 
@@ -213,23 +214,65 @@ class TaskModule:
 
     # ---------------------------------------------------------------------------------------- utilities
 
-    def log(self, name: str, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> None:
+    def log(
+        self,
+        name: str,
+        value: torch.Tensor | float | Metric,
+        weight: torch.Tensor | float = 1.0,
+        reduce: str = "mean",
+    ) -> None:
         """Buffer a value for logging, without a host-device sync.
 
-        Values are summed on their device. Values logged during training are reduced once every
+        Values are folded on their device. Values logged during training are reduced once every
         ``log_every_n_steps`` optimizer steps and at the end of training; values logged during a validation
         pass (``validation_step``, the validation hooks) are reduced separately, right after the pass. What
-        reaches ``on_log`` and ``metrics.jsonl`` is the ``weight``-weighted mean over the micro-batches (or
-        validation batches) and all ranks since the last reduction, the same on every rank. Every rank must
-        log the same names (checked at each reduction: a `TaskError` otherwise).
+        reaches ``on_log`` and ``metrics.jsonl`` is the same float64 value on every rank: with
+        ``reduce="mean"`` the ``weight``-weighted mean over the micro-batches (or validation batches) and all
+        ranks since the last reduction; ``"sum"`` the total; ``"max"`` / ``"min"`` the extreme; ``"last"`` the
+        latest value on the main process (for "current value" quantities such as a learning rate). Every rank
+        must log the same names with the same reductions (checked at each reduction: a `TaskError`
+        otherwise).
+
+        A `torchmetrics.Metric` (as in Lightning) is logged as the object: update it yourself (``metric(preds,
+        target)`` or ``metric.update(...)``), log it once or on every batch, and at the reduction it is computed
+        over all the data of all ranks (torchmetrics synchronises its state then, so AUROC, F1 or average
+        precision are never a mean of per-rank values) and reset. With several processes, the last validation batch
+        holds copies Accelerate pads it with: count each sample once with ``accelerator.gather_for_metrics`` or
+        from the outputs ``on_validation_batch_end`` receives (the engine cuts the copies off those).
 
         Args:
             name (`str`): the metric name, e.g. ``"val/accuracy"``.
-            value (`torch.Tensor` or `float`): a number or a one-element tensor (any float dtype).
-            weight (`torch.Tensor` or `float`, defaults to 1.0): e.g. the number of samples it averages.
+            value (`torch.Tensor`, `float` or `torchmetrics.Metric`): a number, a one-element tensor (any float
+                dtype), or a metric whose ``compute()`` gives one number.
+            weight (`torch.Tensor` or `float`, defaults to 1.0): e.g. the number of samples it averages
+                (``reduce="mean"`` only).
+            reduce (`str`, defaults to ``"mean"``): ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or ``"last"``.
 
         Raises:
             RuntimeError: called outside ``Engine.fit``, ``validate`` or ``predict``.
-            ValueError: ``value`` has more than one element.
+            TaskError: a bad name, value, weight or reduction (also a `TypeError` / `ValueError`); at the
+                reduction, a metric whose compute fails or gives more than one number.
         """
-        log_to_active_run(name, value, weight)
+        log_to_active_run(name, value, weight, reduce)
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the running ``fit`` to stop cleanly after the current optimizer step (`torchloom.request_stop`).
+
+        Every rank stops at the same step: the request is combined over the ranks after the next logging of
+        training values, validation pass or epoch end, whichever comes first. The fit ends as a success (final
+        validation if needed, model save, ``on_fit_end``).
+
+        Args:
+            reason (`str`): why, kept in `Engine.stop_reason` and printed by the CLI.
+        """
+        request_stop(reason)
+
+    def configure_metrics(self) -> Any:
+        """Return the evaluation metrics of the ``eval_metrics`` plugin, or ``None`` (the default).
+
+        Returns:
+            A `torchmetrics.MetricCollection`, a `torchmetrics.Metric`, a ``{name: Metric}`` mapping, or
+            ``None``. They are updated with ``update(preds, target)`` from ``validation_step``'s outputs and
+            logged as ``val/<name>`` (see ``docs/plugins/eval_metrics.md``).
+        """
+        return None

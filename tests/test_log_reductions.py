@@ -1,0 +1,107 @@
+"""Issue 9: per-name reductions of logged values, torchmetrics objects in log(), and stopping a fit cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchmetrics
+
+import torchloom
+from torchloom.testing import TinyTask, tiny_fit
+
+
+class Logs(TinyTask):
+    """Logs the 1-based micro-batch number with every reduction; 8 micro-batches, one per optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__(n=16, batch_size=2)
+        self.count = 0
+
+    def training_step(self, batch, batch_idx):
+        self.count += 1
+        for reduce in ("mean", "sum", "max", "min", "last"):
+            self.log(f"k/{reduce}", torch.tensor(float(self.count)), reduce=reduce)
+        return super().training_step(batch, batch_idx)
+
+
+def test_each_reduction_over_a_logging_interval(tmp_path):
+    engine = tiny_fit(task=Logs(), output_dir=str(tmp_path), log_every_n_steps=4)
+    records = [r for r in engine.history if "k/mean" in r]
+    assert [r["step"] for r in records] == [4, 8]
+    assert [(r["k/mean"], r["k/sum"], r["k/max"], r["k/min"], r["k/last"]) for r in records] == [
+        (2.5, 10.0, 4.0, 1.0, 4.0),
+        (6.5, 26.0, 8.0, 5.0, 8.0),
+    ]
+
+
+class MetricTask(TinyTask):
+    """Logs a torchmetrics MeanAbsoluteError object updated by hand in validation_step."""
+
+    def __init__(self) -> None:
+        super().__init__(n=12, batch_size=4)
+        self.mae = torchmetrics.MeanAbsoluteError()
+        self.seen: list[torch.Tensor] = []
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        preds = self.model(x)
+        self.seen.append((preds - y).abs().flatten())
+        self.mae.update(preds, y)
+        self.log("val/mae", self.mae)
+
+
+def test_a_logged_metric_is_computed_over_the_whole_pass_and_reset(tmp_path):
+    task = MetricTask()
+    engine = torchloom.Engine(output_dir=str(tmp_path), max_epochs=1, num_sanity_val_steps=1)
+    task.seen.clear()
+    metrics = engine.validate(task, torch.utils.data.DataLoader(list(zip(*_data())), batch_size=3))
+    expected = torch.cat(task.seen).double().mean().item()
+    assert metrics["val/mae"] == pytest.approx(expected, rel=1e-6)
+    assert task.mae._update_count == 0  # reset after the reduction: the next pass starts empty
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(7, 4, generator=g), torch.randn(7, 1, generator=g)
+
+
+def test_a_failing_metric_compute_is_one_error_and_leaves_the_metric_usable():
+    from torchloom._logbuffer import compute_metric
+
+    metric = torchmetrics.classification.BinaryAUROC()
+    with pytest.raises(torchloom.TaskError, match=r"metric 'val/auroc' .*compute failed"):
+        compute_metric("val/auroc", metric)  # nothing updated: no samples
+    metric.update(torch.tensor([0.1, 0.9, 0.4]), torch.tensor([0, 1, 1]))
+    assert compute_metric("val/auroc", metric) == pytest.approx(1.0)
+    assert compute_metric("val/auroc", metric) == pytest.approx(1.0)  # compute twice: the same value
+
+
+class StopAt(TinyTask):
+    def __init__(self, at: int) -> None:
+        super().__init__(n=16, batch_size=2)
+        self.at, self.steps = at, 0
+
+    def training_step(self, batch, batch_idx):
+        self.steps += 1
+        if self.steps == self.at:
+            self.request_stop(f"scripted at micro-batch {self.at}")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_stop_request_ends_the_fit_at_the_next_check_as_a_success(tmp_path):
+    engine = tiny_fit(task=StopAt(5), output_dir=str(tmp_path), max_epochs=3, log_every_n_steps=2, save_model=True)
+    assert engine.progress.global_step == 6  # requested during step 5, seen at the logging check after step 6
+    assert engine.stop_reason == "scripted at micro-batch 5"
+    assert (tmp_path / "version_0" / "model" / "model.safetensors").exists()
+    assert engine.logged_metrics["val/loss"] == [r for r in engine.history if "val/loss" in r][-1]["val/loss"]
+    assert [r["step"] for r in engine.history if "val/loss" in r][-1] == 6  # the final validation
+
+
+def test_bad_reductions_are_one_clear_error(tmp_path):
+    class Bad(TinyTask):
+        def training_step(self, batch, batch_idx):
+            self.log("x", 1.0, reduce="median")
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(torchloom.TaskError, match=r"reduce='median' is not one of mean, sum, max, min, last"):
+        tiny_fit(task=Bad(), output_dir=str(tmp_path))
