@@ -192,3 +192,17 @@ def test_a_replacing_step_keeps_grad_clip_and_local_sgd_working(seams):
 def test_on_log_sees_the_same_values_on_every_rank(seams):
     r0, r1 = (r["replaced"]["on_log"] for r in seams)
     assert len(r0) == 4 and r0 == r1
+
+
+# ------------------------------------------------------------------------------ issue 9: padding copies (C12)
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3, 4])
+def test_every_evaluation_sample_counts_once_whatever_the_number_of_processes(tmp_path, nproc):
+    """C12: 10 samples, batch 3; Accelerate pads the last round with copies of ids 0, 1, ... The outputs hooks
+    receive and the predictions hold ids 0..9 exactly once over the ranks; the accuracy is 0.7, not 9/12."""
+    results = torchrun("padding_copies.py", tmp_path, nproc=nproc)
+    assert sorted(i for r in results for i in r["val_ids"]) == list(range(10))
+    assert sorted(i for r in results for i in r["predicted_ids"]) == list(range(10))
+    accuracies = {r["accuracy"] for r in results}
+    assert len(accuracies) == 1 and accuracies.pop() == pytest.approx(0.7, abs=1e-7)  # float32 0.7; 9/12 = 0.75
