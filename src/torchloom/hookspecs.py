@@ -454,12 +454,16 @@ def on_validation_start(task: TaskModule, model: torch.nn.Module, accelerator: A
 def on_validation_batch_end(outputs: Any, batch: Any, accelerator: Accelerator, progress: Progress) -> None:
     """Called after `TaskModule.validation_step` on one batch.
 
-    **Fires:** once per validation batch, on every rank. With several processes each rank sees its own
-    shard: gather with ``accelerator.gather_for_metrics(...)``, which also drops the samples the
-    distributed sampler repeated to even out the last batch.
+    **Fires:** once per validation batch, on every rank that holds a real sample of it. With several
+    processes each rank sees its own shard, and the engine has already cut off the copies Accelerate pads
+    the last batch with (per-sample tensors, and lists of plain items, whose first dimension is the batch
+    size), so each sample reaches this hook once over all ranks; a rank whose share of the last batch is only
+    copies is not called. So do not start a collective here (no ``gather_for_metrics``: the ranks' sizes
+    differ in the last batch): keep per-rank state, e.g. a torchmetrics object, and combine it at the end
+    (``log(name, metric)`` in ``on_validation_end``).
 
-    :param outputs: what ``validation_step`` returned (do not mutate).
-    :param batch: the batch, on the device.
+    :param outputs: what ``validation_step`` returned, without the padding copies (do not mutate).
+    :param batch: the batch, on the device, without the padding copies.
     :param accelerator: the run's Accelerator.
     :param progress: counters at the time of validation.
     """
@@ -503,10 +507,11 @@ def on_predict_start(task: TaskModule, model: torch.nn.Module, accelerator: Acce
 def on_predict_batch_end(outputs: Any, batch: Any, accelerator: Accelerator) -> None:
     """Called after `TaskModule.predict_step` on one batch.
 
-    **Fires:** once per prediction batch, on every rank.
+    **Fires:** once per prediction batch, on every rank that holds a real sample of it (the padding copies of
+    the last batch are cut off, as for ``on_validation_batch_end``; start no collective here).
 
-    :param outputs: what ``predict_step`` returned (do not mutate).
-    :param batch: the batch, on the device.
+    :param outputs: what ``predict_step`` returned, without the padding copies (do not mutate).
+    :param batch: the batch, on the device, without the padding copies.
     :param accelerator: the run's Accelerator.
     """
 
@@ -534,8 +539,9 @@ def on_log(metrics: dict[str, float], progress: Progress, accelerator: Accelerat
     **Fires:** on every rank, with the same values on every rank, when something was logged since the
     previous call: training values every ``log_every_n_steps`` optimizer steps and once more at the end of
     training; validation values after every validation pass (training and validation values are reduced
-    separately). Each value is the weighted mean, over all ranks and over the micro-batches (or validation
-    batches) since the previous call, of what was passed to ``log``. Only names logged since the previous call
+    separately). Each value is the reduction chosen in ``log`` (by default the weighted mean) over all ranks
+    and over the micro-batches (or validation batches) since the previous call, of what was passed to
+    ``log``; a logged torchmetrics object is its ``compute()`` over all ranks. Only names logged since the previous call
     appear. A decision taken here (early stopping, keeping the best checkpoint) is the same on every rank.
     Write files and trackers on the main process only (``accelerator.is_main_process``; Accelerate's
     ``accelerator.log`` does so itself).
