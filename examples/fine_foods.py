@@ -365,7 +365,9 @@ class FineFoodsClassifier(torchloom.TaskModule):
             if batch_idx == 0:  # once per validation pass: the training majority class, summed over processes
                 self._majority = self.accelerator.reduce(self._label_counts.clone(), reduction="sum").argmax()
             self.log("val/majority_rate", (labels == self._majority).sum().to(exact) / n, weight=n)
-        return {"preds": preds, "labels": labels}
+        # This process's own rows, not the gathered ones: the eval_metrics plugin keeps per-process state and
+        # combines it over the processes itself (AUROC over the whole validation set).
+        return {"preds": logits.softmax(-1)[:, 1], "target": batch["labels"]}
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         """Per review: ``label`` (1 = a 5-star review, shape ``(batch,)``, int64) and ``p_great``, its probability

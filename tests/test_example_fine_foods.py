@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from torchmetrics.functional.classification import binary_auroc, binary_f1_score
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = EXAMPLES / "fine_foods.yaml"
@@ -113,13 +114,20 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
     text = "These cookies were stale; I won't buy them again."
     assert tokenizer(text)["input_ids"] == data.tokenizer(text)["input_ids"]
     correct = loss = 0.0
+    p_great, labels = [], []
     with torch.no_grad():
         for batch in data.val_dataloader():
             output = model(**batch)
             correct += (output.logits.argmax(-1) == batch["labels"]).sum().item()
             loss += output.loss.item() * len(batch["labels"])
+            p_great.append(output.logits.softmax(-1)[:, 1])
+            labels.append(batch["labels"])
     assert correct / 64 == pytest.approx(final["val/accuracy"], abs=1e-12)
     assert loss / 64 == pytest.approx(final["val/loss"], abs=1e-5)
+    # The eval_metrics plugin (enabled in the config): torchmetrics over the same 64 reviews, from the reloaded model.
+    p_great, labels = torch.cat(p_great), torch.cat(labels)
+    assert final["val/auroc"] == pytest.approx(binary_auroc(p_great, labels).item(), abs=1e-6)
+    assert final["val/f1"] == pytest.approx(binary_f1_score(p_great, labels).item(), abs=1e-6)
 
     # The commands a user runs next, on the saved model: validate reports the fit's validation metrics, and
     # predict writes one prediction per validation review into a run directory of its own.

@@ -127,9 +127,18 @@ class LogBuffer:
         reduced = self._reduce_values(names, accelerator) if names else {}
         metrics, self.metrics = self.metrics, {}
         self.clear()
+        # Every metric is computed on every rank even after one fails: each compute is a collective, so a rank
+        # that stopped at the first failure would leave the others waiting in the next one.
+        failure: TaskError | None = None
         for name in sorted(metrics):
-            reduced[name] = compute_metric(name, metrics[name])
-            metrics[name].reset()
+            try:
+                reduced[name] = compute_metric(name, metrics[name])
+            except TaskError as exc:
+                failure = failure or exc
+            else:
+                metrics[name].reset()
+        if failure is not None:
+            raise failure
         return reduced
 
     def _reduce_values(self, names: list[str], accelerator: Any) -> dict[str, float]:
