@@ -66,6 +66,17 @@ def test_fit_writes_resolved_config_and_metrics(project: Path) -> None:
     assert "val/loss" in proc.stdout
 
 
+def test_fit_stopped_early_says_when_and_why(project: Path) -> None:
+    config = yaml.safe_load((project / "config.yaml").read_text())
+    config["plugins"] = {"early_stopping": {"monitor": "val/loss", "divergence_threshold": 0.0}}  # any loss > 0
+    (project / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = run_cli("fit", "--config", "config.yaml", cwd=project)
+    assert proc.returncode == 0, proc.stderr
+    # The first validation (end of epoch 0, step 8 of 16) crosses the threshold: the fit ends there, successfully.
+    assert "  stopped early at step 8: early_stopping: 'val/loss' " in proc.stdout
+    assert json.loads((project / "run" / "version_0" / "summary.json").read_text())["optimizer_steps"] == 8
+
+
 def test_print_config_shows_the_resolved_config_and_exits(project: Path) -> None:
     proc = run_cli("fit", "--config", "config.yaml", "--engine.seed=7", "--print_config", cwd=project)
     assert proc.returncode == 0, proc.stderr

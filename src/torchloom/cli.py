@@ -388,6 +388,8 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
         metrics = {"batches": float(len(predictions))}
     if engine.accelerator is None or engine.accelerator.is_main_process:
         print(f"torchloom {command}: output in {engine.run_dir}")
+        if command == "fit" and engine.stop_reason is not None:
+            print(f"  stopped early at step {engine.progress.global_step}: {engine.stop_reason}")
         for name, value in sorted(metrics.items()):
             print(f"  {name} = {value:.6g}")
     return 0
