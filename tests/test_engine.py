@@ -77,6 +77,7 @@ def expected_fit(
                 buffered = False
             if val_check_interval and step % val_check_interval == 0:
                 validate()
+            calls.append("on_train_step_end")  # the step counted, logged and validated: a checkpoint may be saved
             if max_steps is not None and step >= max_steps:
                 done = True
                 break
@@ -146,9 +147,9 @@ def test_hook_order_literal_small_fit(tmp_path):
         "on_fit_start",
         "on_train_epoch_start",
         *["on_train_batch_start", "run_train_step", "before_backward", "before_optimizer_step"],
-        *["after_optimizer_step", "on_train_batch_end", "on_log"],
+        *["after_optimizer_step", "on_train_batch_end", "on_log", "on_train_step_end"],
         *["on_train_batch_start", "run_train_step", "before_backward", "before_optimizer_step"],
-        *["after_optimizer_step", "on_train_batch_end", "on_log"],
+        *["after_optimizer_step", "on_train_batch_end", "on_log", "on_train_step_end"],
         *["on_validation_start", "on_validation_batch_end", "on_validation_end", "on_log"],
         "on_train_epoch_end",
         "on_train_end",
@@ -264,7 +265,7 @@ def test_training_step_raises_on_exception_then_fit_end_then_teardown(tmp_path):
     with pytest.raises(Boom, match="bad batch") as info:
         engine.fit(FailingTask(n=16, batch_size=4))
     batch = ["on_train_batch_start", "run_train_step", "before_backward", "before_optimizer_step"]
-    batch += ["after_optimizer_step", "on_train_batch_end"]
+    batch += ["after_optimizer_step", "on_train_batch_end", "on_train_step_end"]
     assert rec.calls == [
         *["setup", "configure_accelerator", "configure_model", "configure_optimizers", "on_run_start", "on_fit_start"],
         "on_train_epoch_start",
@@ -340,6 +341,7 @@ def test_validate_and_predict_after_fit_reuse_the_trained_model(tmp_path):
 REVERSED = {
     "after_optimizer_step",
     "on_train_batch_end",
+    "on_train_step_end",
     "on_train_epoch_end",
     "on_validation_batch_end",
     "on_validation_end",

@@ -4,10 +4,11 @@ The public API is exactly what this module exports; plugins (built-in or third-p
 """
 
 from torchloom._logging import request_stop
+from torchloom.checkpoint import delete_checkpoint, save_checkpoint
 from torchloom.config import EngineConfig
 from torchloom.data import DataModule
 from torchloom.engine import Engine
-from torchloom.errors import ConfigError, PluginError, RunFileError, TaskError, TorchloomError
+from torchloom.errors import CheckpointError, ConfigError, PluginError, RunFileError, TaskError, TorchloomError
 from torchloom.hookspecs import hookimpl, hookspec
 from torchloom.memory import estimate_optimizer_memory
 from torchloom.module import TaskModule
@@ -19,6 +20,7 @@ from torchloom.step import StepHooks
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DataModule",
     "Engine",
@@ -34,6 +36,7 @@ __all__ = [
     "TorchloomError",
     "__version__",
     "build_config",
+    "delete_checkpoint",
     "enable_plugins",
     "estimate_optimizer_memory",
     "hookimpl",
@@ -41,5 +44,6 @@ __all__ = [
     "installed_plugins",
     "load_plugin_state",
     "request_stop",
+    "save_checkpoint",
     "save_plugin_state",
 ]

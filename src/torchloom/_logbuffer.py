@@ -100,6 +100,30 @@ class LogBuffer:
             metric.reset()
         self.clear()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The partial reductions not yet reduced: ``{"values", "weights", "reductions"}`` (0-dim tensors or floats).
+
+        Logged torchmetrics objects are not part of it (a checkpoint cannot hold them): `reduce` after
+        `load_state_dict` computes only the plain values.
+        """
+        plain = {n: r for n, r in self._reductions.items() if r != "metric"}
+        return {
+            "values": {n: self._values[n] for n in plain},
+            "weights": {n: self._weights[n] for n in plain if n in self._weights},
+            "reductions": plain,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Put back what `state_dict` returned; tensors move to ``device``."""
+
+        def place(x: Any) -> Any:
+            return x.to(device) if isinstance(x, torch.Tensor) and device is not None else x
+
+        self.clear()
+        self._reductions.update(state["reductions"])
+        self._values.update({n: place(v) for n, v in state["values"].items()})
+        self._weights.update({n: place(w) for n, w in state["weights"].items()})
+
     def __bool__(self) -> bool:
         return bool(self._reductions)
 

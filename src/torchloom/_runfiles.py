@@ -164,8 +164,12 @@ def _make_version_dir(root: str) -> str:
 
 def _remove_orphans(root: str) -> None:
     """Remove the ``.<name>.tmp-<pid>`` files of processes that no longer run (a save killed half-way), in
-    ``root`` and in its run directories."""
+    ``root`` and in its run directories, and their checkpoints' temporary directories."""
+    from torchloom.checkpoint import remove_orphans
+
     folders = [root, *(os.path.join(root, n) for n in os.listdir(root) if VERSION.fullmatch(n))]
+    for folder in folders[1:]:
+        remove_orphans(folder)  # checkpoint directories a killed save or deletion left half-written
     for folder in folders:
         for name in os.listdir(folder) if os.path.isdir(folder) else ():
             match = _TEMPORARY.fullmatch(name)

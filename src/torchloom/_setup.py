@@ -98,9 +98,8 @@ def prepare_run(
         check_optimizer_parameters(optimizer, model)
         model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
         # The scheduler is stepped by the default step once per real optimizer step, so it is not prepared
-        # (Accelerate would step it num_processes times per call); it is still saved by accelerator.save_state.
-        if scheduler is not None:
-            accelerator.register_for_checkpointing(scheduler)
+        # (Accelerate would step it num_processes times per call). Checkpoints keep its state as JSON
+        # (torchloom.checkpoint), not as a custom object of Accelerate's, which would be unpickled on load.
     else:
         model = accelerator.prepare(model)
     val_dl = accelerator.prepare(val_dl) if val_dl is not None else None

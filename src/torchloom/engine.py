@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import get_sampler
 from accelerate.utils import gather_object
 
 from torchloom._accelerator import build_accelerator, note_run_failed
@@ -37,6 +39,15 @@ from torchloom._runfiles import (
     write_predictions,
 )
 from torchloom._setup import Run, engine_relay, prepare_run, reuse_run, sanity_check
+from torchloom.checkpoint import (
+    CHECKPOINTS_DIR,
+    active_saver,
+    find_checkpoint,
+    load_checkpoint,
+    random_states,
+    set_random_states,
+    write_checkpoint,
+)
 from torchloom.config import EngineConfig
 from torchloom.data.module import DataModule
 from torchloom.errors import ConfigError
@@ -96,6 +107,10 @@ class Engine:
         self._checks = TrainingChecks(self.config.nonfinite_loss)
         self.stop_reason: str | None = None
         self._validated_at = -1  # the global_step of the last validation of this fit
+        #: The checkpoint the last fit resumed from (``fit(..., ckpt_path=...)``), ``None`` for a fresh fit.
+        self.resumed_from: str | None = None
+        # The data position while a checkpoint may be saved (on_train_step_end / on_train_epoch_end), else None.
+        self._position: dict[str, Any] | None = None
 
     @property
     def accelerator(self) -> Accelerator | None:
@@ -115,6 +130,8 @@ class Engine:
         train_dataloader: Any = None,
         val_dataloader: Any = None,
         datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        reset_optimizer: bool = False,
     ) -> dict[str, float]:
         """Train ``task``; validate at the configured interval; return the latest logged values.
 
@@ -123,26 +140,44 @@ class Engine:
             train_dataloader (`torch.utils.data.DataLoader`, *optional*): else the datamodule's or task's.
             val_dataloader (`torch.utils.data.DataLoader`, *optional*): else the datamodule's or task's.
             datamodule (`DataModule`, *optional*): prepared once per machine, then set up on every process.
+            ckpt_path (`str` or `os.PathLike`, *optional*): resume from this checkpoint (see
+                `torchloom.checkpoint.find_checkpoint`: a checkpoint, a run directory or an ``output_dir``, whose
+                latest checkpoint is taken). The model, optimizer, scheduler, loss scaler, random states, plugin
+                states, counters and data position are restored; the fit goes on from the next batch, in a new run
+                directory, exactly as if it had never stopped.
+            reset_optimizer (`bool`, defaults to False): with ``ckpt_path``, start the optimizer with fresh state
+                (required when its class changed; a warning says so).
 
         Raises:
             ConfigError: missing or empty training data, validation data without ``validation_step``, a bad setting.
             TaskError: untrainable returns, a non-finite loss (``nonfinite_loss="error"``), ranks that disagree.
             PluginError: a plugin failed, returned something invalid, or two plugins answered one set-up hook.
+            CheckpointError: ``ckpt_path`` names no complete checkpoint, or one that this run cannot continue.
         """
+        resume_path = find_checkpoint(ckpt_path) if ckpt_path is not None else None
         run = self._start(task, "fit", datamodule, train_dataloader=train_dataloader, val_dataloader=val_dataloader)
         relay, acc, model = run.relay, run.accelerator, run.model
         self.progress, self._checks = Progress(), TrainingChecks(self.config.nonfinite_loss)
-        self.stop_reason, self._validated_at = None, -1
+        self.stop_reason, self._validated_at, self.resumed_from = None, -1, resume_path
         end = {"accelerator": acc, "task": task, "model": model}
         error: BaseException | None = None
         try:
-            with self.logs.active():
+            with self.logs.active(), active_saver(lambda directory: self._save_checkpoint(run, directory)):
+                first_epoch, skip, rng, counters = (
+                    self._resume(run, resume_path, reset_optimizer) if resume_path else (0, 0, None, None)
+                )
                 start = {"optimizer": run.optimizer, "scheduler": run.scheduler, "log": self.logs.log}
                 relay.call("on_fit_start", **end, **start, progress=self.progress)
+                if counters:  # after on_fit_start, which starts the default step's counters at 0
+                    self._default_step.skipped_steps, self._default_step.scaler_skipped_steps = counters
                 sanity_check(task, run, self.config.num_sanity_val_steps, self.logs)
-                for epoch in range(self.config.max_epochs):
-                    if self._train_epoch(task, run, epoch):
+                max_steps = self.config.max_steps
+                for epoch in range(first_epoch, self.config.max_epochs):
+                    if max_steps is not None and self.progress.global_step >= max_steps:  # a resumed finished fit
                         break
+                    if self._train_epoch(task, run, epoch, skip, rng):
+                        break
+                    skip, rng = 0, None
                 self._log_training(run)
                 relay.call("on_train_end", **end, progress=self.progress, log=self.logs.log)
                 self._log_training(run)
@@ -160,15 +195,25 @@ class Engine:
             self._end(run, "fit", error, failure)
         return dict(self.logs.latest)
 
-    def _train_epoch(self, task: TaskModule, run: Run, epoch: int) -> bool:
-        """Train one epoch (validating at the configured interval); return whether ``max_steps`` was reached."""
+    def _train_epoch(self, task: TaskModule, run: Run, epoch: int, skip: int = 0, rng: Any = None) -> bool:
+        """Train one epoch (validating at the configured interval); return whether to stop (``max_steps``, a stop
+        request). ``skip``: batches of the epoch a resumed checkpoint already trained on; ``rng``: the random
+        states to restore once the epoch's data loader has started (a resume)."""
         relay, acc, loader = run.relay, run.accelerator, run.train_dataloader
         batch_start, batch_end = relay.implemented("on_train_batch_start"), relay.implemented("on_train_batch_end")
         check_same_length(acc, loader, "training")
-        p = self.progress = Progress(epoch, self.progress.global_step, 0, self.progress.micro_step)
+        if hasattr(loader, "set_epoch"):  # the epoch's own shuffle (seed + epoch), also in a resumed fit
+            loader.set_epoch(epoch)
+        if rng is not None and skip == 0:
+            set_random_states(rng)
+            rng = None
+        p = self.progress = Progress(epoch, self.progress.global_step, skip, self.progress.micro_step)
         relay.call("on_train_epoch_start", accelerator=acc, progress=p)
         done, batches = False, 0
-        for batch_idx, batch in enumerate(loader):
+        for batch_idx, batch in enumerate(acc.skip_first_batches(loader, skip) if skip else loader, start=skip):
+            if rng is not None:  # as they were when the checkpoint was saved: starting the loader drew from them
+                set_random_states(rng)
+                rng = None
             batches += 1
             p = self.progress = Progress(epoch, p.global_step, batch_idx, p.micro_step)
             if batch_start:
@@ -184,11 +229,17 @@ class Engine:
                 done = True
                 break
             p = self.progress
-        if batches == 0:
+        if batches == 0 and skip == 0:
             raise ConfigError(f"fit: the training dataloader yielded no batches in epoch {epoch}; nothing was trained")
+        if rng is not None:  # a checkpoint of the epoch's last step: nothing left to train in it
+            set_random_states(rng)
         if self.config.val_check_interval is None:
             self._validate(task, run)
-        relay.call("on_train_epoch_end", accelerator=acc, progress=self.progress, log=self.logs.log)
+        self._position = {"epoch": epoch, "batches_done": skip + batches, "epoch_finished": not done}
+        try:
+            relay.call("on_train_epoch_end", accelerator=acc, progress=self.progress, log=self.logs.log)
+        finally:
+            self._position = None
         return self._stop_requested(run) or done
 
     def _train_step(self, task: TaskModule, run: Run, batch: Any, progress: Progress) -> dict[str, Any]:
@@ -224,6 +275,12 @@ class Engine:
         if cfg.val_check_interval and p.global_step % cfg.val_check_interval == 0:
             self._validate(task, run)
             logged = True
+        if run.relay.implemented("on_train_step_end"):
+            self._position = {"epoch": p.epoch, "batches_done": p.batch_idx + 1, "epoch_finished": False}
+            try:
+                run.relay.call("on_train_step_end", accelerator=run.accelerator, progress=p)
+            finally:
+                self._position = None
         if logged and self._stop_requested(run):
             return True
         return cfg.max_steps is not None and p.global_step >= cfg.max_steps
@@ -242,6 +299,74 @@ class Engine:
         metrics, internal = self._reduce(run, self.logs.train)
         skips = self._default_step.scaler_skipped_steps
         self._checks.check(metrics.get("train/loss"), internal.get(NEGATIVE_ITEMS, 0.0), self.progress, skips)
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+
+    def _save_checkpoint(self, run: Run, directory: str | None) -> str:
+        """`torchloom.save_checkpoint` during this fit: the engine's state next to the run's and the plugins'."""
+        if self._position is None:
+            raise RuntimeError(
+                "save_checkpoint() must be called from on_train_step_end or on_train_epoch_end, where no "
+                "accumulation window is open and the data position is known"
+            )
+        p = self.progress
+        if directory is None:
+            name = f"step-{p.global_step:08d}" + ("-epoch-end" if self._position["epoch_finished"] else "")
+            directory = os.path.join(run.run_dir, CHECKPOINTS_DIR, name)
+        sampler = get_sampler(run.train_dataloader)
+        state = {
+            "progress": dataclasses.asdict(p),
+            "position": dict(self._position),
+            "validated_at": self._validated_at,
+            "checks": {"checked_step": self._checks.checked_step, "scaler_skips": self._checks.scaler_skips},
+            "default_step": [self._default_step.skipped_steps, self._default_step.scaler_skipped_steps],
+            "log_buffer": self.logs.train.state_dict(),
+            "sampler_seed": getattr(sampler, "initial_seed", None),
+        }
+        return write_checkpoint(
+            directory,
+            accelerator=run.accelerator,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            plugins=self.plugins,
+            engine_state=state,
+            metrics=self.logs.latest,
+        )
+
+    def _resume(self, run: Run, path: str, reset_optimizer: bool) -> tuple[int, int, Any, tuple[int, int]]:
+        """Load the checkpoint at ``path`` into the prepared run; return ``(epoch, batches to skip in it, random
+        states to restore once its loader started, the default step's counters)``."""
+        state, _ = load_checkpoint(
+            path,
+            accelerator=run.accelerator,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            plugins=self.plugins,
+            reset_optimizer=reset_optimizer,
+        )
+        if reset_optimizer and run.accelerator.is_main_process:
+            warnings.warn(
+                f"resuming from {path!r} with reset_optimizer=True: the optimizer starts with fresh state",
+                UserWarning,
+                stacklevel=3,
+            )
+        rng = random_states()  # as Accelerate restored them
+        self.progress = Progress(**state["progress"])
+        self._validated_at = state["validated_at"]
+        self._checks.checked_step, self._checks.scaler_skips = (
+            state["checks"]["checked_step"],
+            state["checks"]["scaler_skips"],
+        )
+        self.logs.train.load_state_dict(state["log_buffer"], run.accelerator.device)
+        sampler = get_sampler(run.train_dataloader)
+        if state["sampler_seed"] is not None and hasattr(sampler, "initial_seed"):
+            sampler.initial_seed = state["sampler_seed"]
+        position = state["position"]
+        if position["epoch_finished"]:
+            return position["epoch"] + 1, 0, rng, tuple(state["default_step"])
+        return position["epoch"], position["batches_done"], rng, tuple(state["default_step"])
 
     # --------------------------------------------------------------------------------- validate / predict
 

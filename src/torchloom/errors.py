@@ -6,7 +6,7 @@ code and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PluginError", "RunFileError", "TaskError", "TorchloomError"]
+__all__ = ["CheckpointError", "ConfigError", "PluginError", "RunFileError", "TaskError", "TorchloomError"]
 
 
 class TorchloomError(Exception):
@@ -29,3 +29,8 @@ class TaskError(TorchloomError, TypeError, ValueError):
 class RunFileError(TorchloomError, OSError):
     """A run's files cannot be written: ``output_dir`` is not a writable directory, or the disk is full. The message
     names the path and the operating system's error; files already written are left complete."""
+
+
+class CheckpointError(TorchloomError):
+    """A checkpoint cannot be used: not found, incomplete, altered since it was written, unsafe to load, or
+    incompatible with the run (another model shape, optimizer or number of processes). The message says which."""

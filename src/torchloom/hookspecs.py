@@ -35,6 +35,8 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
                 after_optimizer_step          1x per optimizer step
             on_train_batch_end                1x per micro-batch
             on_log                            every log_every_n_steps optimizer steps
+            on_train_step_end                 1x per optimizer step, after its on_log (and its validation,
+                                              with val_check_interval); checkpoints are saved here
         on_validation_start                   1x per validation pass
             on_validation_batch_end           1x per validation batch
         on_validation_end                     1x per validation pass
@@ -420,10 +422,26 @@ def on_train_batch_end(
 
 
 @hookspec
+def on_train_step_end(accelerator: Accelerator, progress: Progress) -> None:
+    """Called after each optimizer step is complete: counted, and logged and validated when at their interval.
+
+    **Fires:** once per optimizer step, on every rank, after ``on_train_batch_end`` of the window's last
+    micro-batch and after the ``on_log`` / validation of this step, before the engine checks stop requests.
+    The training state is whole here (no accumulation window open), so this is where
+    `torchloom.save_checkpoint` may be called during an epoch (the ``checkpoint`` plugin saves every N steps
+    here).
+
+    :param accelerator: the run's Accelerator.
+    :param progress: counters after the step (``global_step`` counts it).
+    """
+
+
+@hookspec
 def on_train_epoch_end(accelerator: Accelerator, progress: Progress, log: LogFn) -> None:
     """Called at the end of every training epoch, after that epoch's validation.
 
-    **Fires:** once per epoch, on every rank; also for the epoch cut short by ``max_steps``.
+    **Fires:** once per epoch, on every rank; also for the epoch cut short by ``max_steps``. A checkpoint
+    saved here (`torchloom.save_checkpoint`) resumes at the start of the next epoch.
 
     :param accelerator: the run's Accelerator.
     :param progress: counters after the epoch's last micro-batch.

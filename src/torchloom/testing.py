@@ -173,6 +173,10 @@ class RecordingPlugin:
         self._record("on_train_batch_end", progress)
 
     @hookimpl
+    def on_train_step_end(self, progress) -> None:
+        self._record("on_train_step_end", progress)
+
+    @hookimpl
     def on_train_epoch_end(self, progress) -> None:
         self._record("on_train_epoch_end", progress)
 

@@ -1,0 +1,498 @@
+"""Checkpoints: the whole state of a fit at an optimizer-step boundary, written atomically, loaded without running code.
+
+A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
+
+- ``accelerate/``: what `accelerate.Accelerator.save_state` writes: the model weights (``model.safetensors``, or
+  the sharded files of FSDP / DeepSpeed), the optimizer state (``optimizer.bin``), the fp16 loss scaler
+  (``scaler.pt``), and each process's random states and gradient-accumulation micro-step counter
+  (``random_states_<rank>.pkl``). Accelerate reads them back with ``torch.load(weights_only=True)`` (numpy
+  arrays allowed for the random states), and no custom object is ever registered with it, so none of these
+  files can run code when loaded.
+- ``engine/``: the engine's counters, the data position (epoch, batches consumed in it, the sampler seed), the
+  partial sums of values logged since the last logging step, and the learning-rate scheduler's state: JSON
+  and safetensors (`torchloom.state`).
+- ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
+  metric bests): JSON and safetensors.
+- ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
+  model's parameter names and shapes, the optimizer's class, the stateful plugins, the logged values, and every
+  file with its size and SHA-256.
+
+Atomic: every process writes into ``.step-00000120.tmp-<pid>`` next to the final name; when all are done the
+main process writes the manifest and renames the directory into place in one ``os.rename``. A process killed
+at any moment leaves either the complete checkpoint or a temporary directory, which the next run started in
+the same ``output_dir`` removes (its writer is gone). Loading refuses any file the manifest does not list, any
+file whose size or hash changed, and any pickle that holds more than tensors and plain values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate.utils import broadcast_object_list
+
+from torchloom.errors import CheckpointError, RunFileError
+from torchloom.state import load_plugin_state, save_plugin_state
+
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "MANIFEST",
+    "delete_checkpoint",
+    "find_checkpoint",
+    "list_checkpoints",
+    "read_manifest",
+    "save_checkpoint",
+]
+
+FORMAT, VERSION = "torchloom.checkpoint", 1
+MANIFEST = "manifest.json"
+#: The folder of a run directory that holds its checkpoints.
+CHECKPOINTS_DIR = "checkpoints"
+_TEMPORARY = re.compile(r"\.(.+)\.(?:tmp|deleting)-(\d+)$")
+_CHUNK = 1 << 20
+
+_SAVER: ContextVar[Callable[[str | None], str] | None] = ContextVar("torchloom_checkpoint_saver", default=None)
+
+
+def save_checkpoint(directory: str | os.PathLike[str] | None = None) -> str:
+    """Save the state of the running fit, so that ``fit(..., ckpt_path=...)`` continues it exactly.
+
+    Call it on every process at the same point, from ``on_train_step_end`` (after an optimizer step) or
+    ``on_train_epoch_end``: it writes on every process (each its random states) and waits for all of them.
+    The `checkpoint` plugin calls it on a schedule; a plugin of your own can too.
+
+    Args:
+        directory (`str` or `os.PathLike`, *optional*): where to write; must not exist. Defaults to
+            ``<run_dir>/checkpoints/step-<global_step, 8 digits>`` (``...-epoch-end`` from
+            ``on_train_epoch_end``).
+
+    Returns:
+        `str`: the path of the complete checkpoint.
+
+    Raises:
+        RuntimeError: no fit is running in this thread, or it is called outside those two hooks.
+        CheckpointError: ``directory`` already exists.
+        PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
+        RunFileError: the files cannot be written (the disk is full, ...); nothing is left under the final name.
+    """
+    saver = _SAVER.get()
+    if saver is None:
+        raise RuntimeError("save_checkpoint() called outside Engine.fit")
+    return saver(None if directory is None else os.fspath(directory))
+
+
+@contextlib.contextmanager
+def active_saver(saver: Callable[[str | None], str]) -> Any:
+    """Make ``saver`` what `save_checkpoint` calls in this thread, for the duration of a fit (the engine's)."""
+    token = _SAVER.set(saver)
+    try:
+        yield
+    finally:
+        _SAVER.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+
+class _Named:
+    """A state in `torchloom.state`'s format under a name: the engine's own state, the scheduler's."""
+
+    def __init__(self, name: str, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]):
+        self.name, self.state_dict, self.load_state_dict = name, state, load
+
+
+def write_checkpoint(
+    directory: str,
+    *,
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    plugins: Iterable[Any],
+    engine_state: dict[str, Any],
+    metrics: Mapping[str, float],
+) -> str:
+    """Write a checkpoint into ``directory`` atomically (every process calls this); return its path.
+
+    Raises:
+        CheckpointError: ``directory`` exists.
+        RunFileError: the files cannot be written (temporary files are removed).
+    """
+    final = Path(directory)
+    message: list[Any] = [None, os.getpid()]
+    if accelerator.is_main_process and final.exists():
+        message[0] = f"checkpoint directory {str(final)!r} already exists; checkpoints are never overwritten"
+    if accelerator.num_processes > 1:
+        broadcast_object_list(message)  # every process writes into the main process's temporary directory
+    if message[0] is not None:
+        raise CheckpointError(message[0])
+    tmp = final.parent / f".{final.name}.tmp-{message[1]}"
+    try:
+        accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+        main = accelerator.is_main_process
+        save_plugin_state(plugins, tmp / "plugins", is_main_process=main)
+        own = [_Named("engine", lambda: engine_state, _no_load)]
+        if scheduler is not None:
+            own.append(_Named("lr_scheduler", scheduler.state_dict, _no_load))
+        save_plugin_state(own, tmp / "engine", is_main_process=main)
+        accelerator.wait_for_everyone()  # every process's files are complete
+        if main:
+            manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics)
+            _write_json(tmp / MANIFEST, manifest)
+            _fsync_tree(tmp)
+            os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
+            _fsync_dir(final.parent)
+    except OSError as exc:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RunFileError(f"cannot write checkpoint {str(final)!r}: {exc.strerror or exc}") from exc
+    accelerator.wait_for_everyone()  # no process goes on before the checkpoint exists
+    return str(final)
+
+
+def _no_load(state: dict[str, Any]) -> None:  # pragma: no cover - never called on save
+    raise AssertionError
+
+
+def _manifest(
+    root: Path,
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    plugins: Iterable[Any],
+    engine_state: dict[str, Any],
+    metrics: Mapping[str, float],
+) -> dict[str, Any]:
+    files = {
+        path.relative_to(root).as_posix(): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+    from torchloom import __version__
+
+    unwrapped = accelerator.unwrap_model(model)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "torchloom_version": __version__,
+        "global_step": engine_state["progress"]["global_step"],
+        "epoch": engine_state["position"]["epoch"],
+        "position": engine_state["position"],
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "mixed_precision": str(accelerator.mixed_precision),
+        "model": {
+            "class": f"{type(unwrapped).__module__}.{type(unwrapped).__qualname__}",
+            "parameters": {name: list(p.shape) for name, p in unwrapped.named_parameters()},
+        },
+        "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
+        "plugins": sorted(p.stem for p in (root / "plugins").glob("*.json")) if (root / "plugins").is_dir() else [],
+        "metrics": {k: v for k, v in metrics.items()},
+        "files": files,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check the ``manifest.json`` of a checkpoint directory.
+
+    Raises:
+        CheckpointError: no manifest (not a checkpoint, or an incomplete one), or one of another format or version.
+    """
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{str(directory)!r} is not a complete torchloom checkpoint: it has no {MANIFEST}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {str(path)!r}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{str(path)!r} is not a torchloom checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        from torchloom import __version__
+
+        raise CheckpointError(
+            f"{str(path)!r} is checkpoint format version {manifest.get('version')!r}; this torchloom "
+            f"({__version__}) reads version {VERSION}"
+        )
+    return manifest
+
+
+def verify_files(directory: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
+    """Check that ``directory`` holds exactly the files its manifest lists, each of the listed size and SHA-256.
+
+    Raises:
+        CheckpointError: a file is missing, was added (a planted pickle, say) or changed since it was written.
+    """
+    root = Path(directory)
+    listed = manifest.get("files") or {}
+    present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {MANIFEST}
+    extra = sorted(present - set(listed))
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} holds files its manifest does not list: {', '.join(extra)}; refused (a "
+            "checkpoint is loaded only as written)"
+        )
+    for name, entry in listed.items():
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {str(root)!r} is incomplete: {name} is missing")
+        if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
+            raise CheckpointError(
+                f"checkpoint {str(root)!r}: {name} changed since the checkpoint was written (size or SHA-256 "
+                "differs from its manifest); refused"
+            )
+
+
+def list_checkpoints(path: str | os.PathLike[str]) -> list[str]:
+    """The complete checkpoints (those with a manifest) under ``path``, oldest first.
+
+    ``path`` may be a run directory (``<output_dir>/version_N``) or an ``output_dir``; the order is by run
+    (``version_N``) and then by global step, an end-of-epoch checkpoint after a step checkpoint of the same step.
+    """
+    root = Path(path)
+    runs = (
+        [root]
+        if (root / CHECKPOINTS_DIR).is_dir()
+        else sorted((d for d in root.glob("version_*") if d.name[8:].isdigit()), key=lambda d: int(d.name[8:]))
+    )
+    found: list[str] = []
+    for run in runs:
+        entries = []
+        for candidate in (run / CHECKPOINTS_DIR).glob("*") if (run / CHECKPOINTS_DIR).is_dir() else ():
+            if candidate.name.startswith(".") or not (candidate / MANIFEST).is_file():
+                continue
+            try:
+                manifest = read_manifest(candidate)
+            except CheckpointError:
+                continue
+            position = manifest.get("position") or {}
+            entries.append((manifest.get("global_step", -1), bool(position.get("epoch_finished")), str(candidate)))
+        found += [path for *_, path in sorted(entries)]
+    return found
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> str:
+    """Resolve what ``--resume`` / ``ckpt_path`` names to one checkpoint directory.
+
+    Args:
+        path (`str` or `os.PathLike`): a checkpoint directory; a run directory (its latest checkpoint); or an
+            ``output_dir`` (the latest checkpoint of its latest run that has one).
+
+    Raises:
+        CheckpointError: ``path`` does not exist or holds no complete checkpoint.
+    """
+    root = Path(path)
+    if (root / MANIFEST).is_file():
+        return str(root)
+    if not root.exists():
+        raise CheckpointError(f"cannot resume from {str(root)!r}: no such file or directory")
+    found = list_checkpoints(root)
+    if not found:
+        raise CheckpointError(
+            f"cannot resume from {str(root)!r}: it holds no complete checkpoint (a directory with {MANIFEST}, "
+            f"in <run_dir>/{CHECKPOINTS_DIR}/); enable the 'checkpoint' plugin to write them"
+        )
+    return found[-1]
+
+
+def check_compatible(
+    manifest: Mapping[str, Any], *, accelerator: Any, model: torch.nn.Module, optimizer: Any, reset_optimizer: bool
+) -> bool:
+    """Compare a checkpoint with the run about to load it; return whether to load the optimizer's state.
+
+    Raises:
+        CheckpointError: another number of processes, other parameter names or shapes, or another optimizer
+            class without ``reset_optimizer``: one message listing what differs.
+    """
+    problems = []
+    if manifest.get("world_size") != accelerator.num_processes:
+        problems.append(
+            f"it was written by {manifest.get('world_size')} process(es), this run has {accelerator.num_processes} "
+            "(the data position and the random states are per process)"
+        )
+    saved = {k: tuple(v) for k, v in (manifest.get("model") or {}).get("parameters", {}).items()}
+    current = {name: tuple(p.shape) for name, p in accelerator.unwrap_model(model).named_parameters()}
+    if saved != current:
+        diffs = [f"{n}: saved {list(saved[n])}, now {list(current[n])}" for n in saved.keys() & current.keys()]
+        diffs = sorted(d for d in diffs if (n := d.split(":")[0]) and saved[n] != current[n])
+        diffs += [f"{n}: only in the checkpoint" for n in sorted(saved.keys() - current.keys())]
+        diffs += [f"{n}: only in this model" for n in sorted(current.keys() - saved.keys())]
+        shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        problems.append(f"the model's parameters differ ({shown})")
+    saved_optimizer = (manifest.get("optimizer") or {}).get("class")
+    inner = getattr(optimizer, "optimizer", optimizer)
+    load_optimizer = True
+    if saved_optimizer != type(inner).__name__:
+        if reset_optimizer:
+            load_optimizer = False
+        else:
+            problems.append(
+                f"its optimizer is {saved_optimizer}, this run's is {type(inner).__name__} (pass reset_optimizer=True, "
+                "or --reset_optimizer, to start the new optimizer with fresh state)"
+            )
+    if problems:
+        raise CheckpointError("cannot resume from checkpoint: " + "; ".join(problems))
+    return load_optimizer and not reset_optimizer
+
+
+def load_checkpoint(
+    directory: str,
+    *,
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    plugins: Iterable[Any],
+    reset_optimizer: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load a checkpoint into a prepared run (every process); return ``(engine_state, manifest)``.
+
+    The random states are restored too (by Accelerate); the engine restores them once more after the resumed
+    epoch's first batch is drawn, so that starting the data loader does not shift them.
+
+    Raises:
+        CheckpointError: not a checkpoint, incompatible with this run (`check_compatible`), altered files, or a
+            file that cannot be loaded safely.
+        PluginError: the stateful plugins differ from the checkpoint's, or one rejects its state.
+    """
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest)
+    load_optimizer = check_compatible(
+        manifest, accelerator=accelerator, model=model, optimizer=optimizer, reset_optimizer=reset_optimizer
+    )
+    root = Path(directory)
+    states: dict[str, dict[str, Any]] = {}
+
+    def keep(name: str) -> Callable[[dict[str, Any]], None]:
+        return lambda state: states.__setitem__(name, state)
+
+    own = [_Named("engine", dict, keep("engine"))]
+    if scheduler is not None:
+        own.append(_Named("lr_scheduler", scheduler.state_dict, keep("lr_scheduler")))
+    load_plugin_state(own, root / "engine")  # read and checked before anything of the run changes
+    load_plugin_state(plugins, root / "plugins")  # every file checked before any plugin's load_state_dict
+    fresh_optimizer = None if load_optimizer else _copy_state(optimizer.state_dict())
+    try:
+        accelerator.load_state(str(root / "accelerate"))
+    except Exception as exc:
+        if type(exc).__name__ == "UnpicklingError" or "weights_only" in str(exc):
+            raise CheckpointError(
+                f"checkpoint {str(root)!r}: a file under accelerate/ holds objects other than tensors and plain "
+                f"values; refused without loading it ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            ) from None
+        raise
+    if fresh_optimizer is not None:
+        optimizer.load_state_dict(fresh_optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(states["lr_scheduler"])
+    return states["engine"], manifest
+
+
+def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
+    import copy
+
+    return copy.deepcopy(state)
+
+
+# ------------------------------------------------------------------------------------------------ random states
+
+
+def random_states() -> dict[str, Any]:
+    """This process's random states: Python's, numpy's, torch's CPU generator and every CUDA device's."""
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_random_states(states: Mapping[str, Any]) -> None:
+    """Restore what `random_states` returned."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def remove_orphans(run_dir: str | os.PathLike[str]) -> None:
+    """Remove the temporary directories that a killed save or deletion left in ``<run_dir>/checkpoints`` (their
+    process no longer runs)."""
+    from torchloom._runfiles import _alive
+
+    folder = Path(run_dir) / CHECKPOINTS_DIR
+    for entry in folder.iterdir() if folder.is_dir() else ():
+        match = _TEMPORARY.fullmatch(entry.name)
+        if match and entry.is_dir() and not _alive(int(match.group(2))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def delete_checkpoint(directory: str | os.PathLike[str]) -> None:
+    """Delete a checkpoint directory: first renamed out of sight, then removed, so that a deletion cut short
+    never leaves something that looks like a complete checkpoint. Call it on the main process only.
+
+    Raises:
+        CheckpointError: ``directory`` is not a checkpoint (it has no manifest).
+        OSError: it cannot be renamed or removed.
+    """
+    path = Path(directory)
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"delete_checkpoint({str(path)!r}): not a checkpoint (no {MANIFEST}); nothing deleted")
+    hidden = path.parent / f".{path.name}.deleting-{os.getpid()}"
+    os.rename(path, hidden)
+    shutil.rmtree(hidden)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with path.open("w", encoding="utf-8") as file:
+        json.dump(value, file, indent=1, sort_keys=True, allow_nan=True)
+        file.write("\n")
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as file:
+                os.fsync(file.fileno())
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system syncs directories
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
