@@ -17,12 +17,17 @@ import torch
 
 from torchloom._logbuffer import LogBuffer
 
-__all__ = ["INTERNAL_PREFIX", "RunLog", "log_to_active_run", "request_stop"]
+__all__ = ["INTERNAL_PREFIX", "RunLog", "active_run_log", "log_to_active_run", "request_stop"]
 
 #: Names under this prefix are the engine's own checks: reduced with the rest, never reported.
 INTERNAL_PREFIX = "torchloom/"
 
 _ACTIVE: ContextVar[RunLog | None] = ContextVar("torchloom_active_run_log", default=None)
+
+
+def active_run_log() -> RunLog | None:
+    """The run log active in this thread (its ``latest`` values and ``history``), ``None`` outside a run."""
+    return _ACTIVE.get()
 
 
 def log_to_active_run(

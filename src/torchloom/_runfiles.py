@@ -23,7 +23,9 @@ import yaml
 from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError
 
+from torchloom._export import MODEL_CARD, model_card
 from torchloom._guards import check_finite_parameters
+from torchloom._logging import active_run_log
 from torchloom.errors import RunFileError
 from torchloom.hookspecs import hookimpl
 
@@ -34,6 +36,7 @@ __all__ = [
     "discard_run_dir",
     "finish_fit",
     "start_run_files",
+    "write_model_card",
     "write_predictions",
 ]
 
@@ -78,11 +81,12 @@ def start_run_files(run_dir: str, run_config: Mapping[str, Any]) -> None:
 
 def finish_fit(task: Any, run: Any, config: Any) -> None:
     """The end of a completed fit: save ``<run_dir>/model`` with `TaskModule.save_model` (``save_model: true``; every
-    rank calls it), unless the weights are not finite; then point ``<output_dir>/latest`` at this run.
+    rank calls it), unless the weights are not finite, with its model card ``torchloom_model.json`` next to it
+    (`write_model_card`); then point ``<output_dir>/latest`` at this run.
 
     Raises:
         TaskError: a weight is NaN or infinite (``nonfinite_loss`` other than ``"ignore"``).
-        RunFileError: the model or the link cannot be written.
+        RunFileError: the model, its card or the link cannot be written.
     """
     if config.save_model:
         if config.nonfinite_loss != "ignore":
@@ -93,6 +97,8 @@ def finish_fit(task: Any, run: Any, config: Any) -> None:
         except (OSError, SafetensorError) as exc:  # safetensors reports a failed write as its own error
             reason = getattr(exc, "strerror", None) or re.sub(r"^.*I/O error: | \(os error \d+\)$", "", str(exc))
             raise RunFileError(f"cannot save the model to {path!r}: {reason}") from exc
+        if run.accelerator.is_main_process and os.path.isdir(path):  # an overridden save_model may write elsewhere
+            write_model_card(path, run)
     if run.accelerator.is_main_process:
         link = os.path.join(config.output_dir, LATEST)
         tmp = os.path.join(config.output_dir, f".{LATEST}.tmp-{os.getpid()}")
@@ -101,6 +107,31 @@ def finish_fit(task: Any, run: Any, config: Any) -> None:
             os.replace(tmp, link)  # a symlink replaced in one step: readers see the old run or the new one
         except OSError as exc:
             raise RunFileError(f"cannot point {link!r} at {run.run_dir!r}: {exc.strerror or exc}") from exc
+
+
+def write_model_card(directory: str, run: Any) -> str:
+    """Write the model card of a completed fit, ``<directory>/torchloom_model.json``, atomically (main process).
+
+    It holds the run's resolved config (``config.yaml``, read back), the plugins and their settings, the final
+    logged values and the step and epoch of the last of them (what ``fit`` returns), the model's class and
+    parameter counts, and the versions of torchloom, torch, accelerate and the other libraries installed.
+
+    Raises:
+        RunFileError: the card cannot be written.
+    """
+    try:
+        with open(os.path.join(run.run_dir, "config.yaml"), encoding="utf-8") as f:
+            run_config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        run_config = None
+    run_log = active_run_log()
+    metrics = dict(run_log.latest) if run_log is not None else {}
+    last = run_log.history[-1] if run_log is not None and run_log.history else {}
+    model = run.accelerator.unwrap_model(run.model)
+    card = model_card(model, run_config, metrics, last.get("step"), last.get("epoch"))
+    path = os.path.join(directory, MODEL_CARD)
+    _replace_atomically(path, json.dumps(card, indent=1, allow_nan=False) + "\n")
+    return path
 
 
 def write_predictions(run_dir: str, predictions: list[Any], accelerator: Any) -> str:

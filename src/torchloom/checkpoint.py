@@ -14,8 +14,8 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
 - ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
-  model's parameter names and shapes, the optimizer's class, the stateful plugins, the logged values, and every
-  file with its size and SHA-256.
+  model's parameter names and shapes and its count of trainable parameters, the optimizer's class, the stateful
+  plugins, the logged values, and every file with its size and SHA-256.
 
 Atomic: every process writes into ``.step-00000120.tmp-<pid>`` next to the final name; when all are done the
 main process writes the manifest and renames the directory into place in one ``os.rename``. A process killed
@@ -196,6 +196,7 @@ def _manifest(
         "model": {
             "class": f"{type(unwrapped).__module__}.{type(unwrapped).__qualname__}",
             "parameters": {name: list(p.shape) for name, p in unwrapped.named_parameters()},
+            "trainable_parameters": sum(p.numel() for p in unwrapped.parameters() if p.requires_grad),
         },
         "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
         "plugins": sorted(p.stem for p in (root / "plugins").glob("*.json")) if (root / "plugins").is_dir() else [],

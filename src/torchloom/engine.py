@@ -385,7 +385,13 @@ class Engine:
         with self._stage(run, "validate"), self.logs.active():
             return self._validate(task, run)
 
-    def predict(self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None) -> list[Any]:
+    def predict(
+        self,
+        task: TaskModule,
+        dataloader: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
+    ) -> list[Any]:
         """Run `TaskModule.predict_step` over the data; return this rank's outputs, one per batch.
 
         The model is in eval mode during prediction; every module gets its own mode back afterwards. With several
@@ -393,13 +399,39 @@ class Engine:
         outputs of ``predict_step`` (a process whose share is only copies drops its output). The outputs are
         also written to ``<run_dir>/predictions.jsonl``, one JSON line per sample (see the user guide).
 
+        Args:
+            task (`TaskModule`): what to predict with; its model is built by ``configure_model`` (or is the last
+                fit's, for the same task without a datamodule).
+            dataloader (`torch.utils.data.DataLoader`, *optional*): else the datamodule's or task's
+                ``predict_dataloader``.
+            datamodule (`DataModule`, *optional*): prepared once per machine, then set up on every process.
+            ckpt_path (`str` or `os.PathLike`, *optional*): load these weights into the model first (after
+                ``setup`` and before ``on_predict_start``): a checkpoint directory (its model weights; its files
+                are checked against its manifest first), an exported model (what `TaskModule.save_model` or
+                ``save_pretrained`` writes, or a ``.safetensors`` file; loaded with `TaskModule.load_model`), a run
+                directory (its ``model/`` when the fit saved one, else its latest checkpoint), or an ``output_dir``
+                (its latest checkpoint). Only safetensors are read. ``weights_from`` then holds what was loaded.
+
         Raises:
-            ConfigError: no prediction data.
+            ConfigError: no prediction data; ``ckpt_path`` does not exist, or an exported model that does not fit.
+            CheckpointError: ``ckpt_path`` holds no weights, a checkpoint changed since it was written, or weights
+                that do not fit the model (keys or shapes).
         """
+        from torchloom._export import load_weights, resolve_weights
+
+        weights = resolve_weights(ckpt_path) if ckpt_path is not None else None  # before a run directory exists
+        #: The weights the last ``predict`` loaded (``(kind, path)``: ``"checkpoint"`` or ``"model"``), else None.
+        self.weights_from = weights
         run = self._start(task, "predict", datamodule, predict_dataloader=dataloader)
         relay, acc = run.relay, run.accelerator
         predictions: list[Any] = []
         with self._stage(run, "predict"), self.logs.active(), eval_mode(run.model), torch.no_grad():
+            if weights is not None:
+                try:
+                    load_weights(acc.unwrap_model(run.model), *weights)
+                except BaseException:
+                    discard_run_dir(run.run_dir, acc)  # nothing was predicted: a failed set-up leaves no directory
+                    raise
             relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
             for batch_idx, batch in enumerate(run.predict_dataloader):
                 outputs = task.predict_step(batch, batch_idx)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchloom._export import MODEL_CARD
 from torchloom._logging import log_to_active_run, request_stop
 from torchloom.errors import ConfigError
 
@@ -132,7 +134,9 @@ class TaskModule:
         embedding) is stored once, under one of its names, and both loaders restore the tie. A model larger than
         ``max_shard_size`` is split into ``model-0000k-of-0000n.safetensors`` shards listed in
         ``model.safetensors.index.json``; otherwise it is one ``model.safetensors``. Weight files of an earlier
-        save in ``directory`` are replaced. Override to also save a tokenizer or processor.
+        save in ``directory`` are replaced, and the model card of an earlier fit (``torchloom_model.json``, which
+        the end of a fit writes after this) is removed: it described other weights. Override to also save a
+        tokenizer or processor.
 
         Args:
             directory (`str` or `os.PathLike`): where to save; created if missing.
@@ -142,6 +146,9 @@ class TaskModule:
         accelerator = self.accelerator
         model = accelerator.unwrap_model(self.model)
         state_dict = accelerator.get_state_dict(self.model)  # on every rank: it gathers under FSDP / DeepSpeed
+        if accelerator.is_main_process:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, MODEL_CARD))
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(
                 directory,
