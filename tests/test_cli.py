@@ -91,6 +91,9 @@ def test_print_config_shows_the_resolved_config_and_exits(project: Path) -> None
     [
         ('--plugins={"grad_acum": {}}', "unknown plugin 'grad_acum'. Did you mean 'grad_accum'?"),
         ("--engine.max_epochs=0", "engine setting 'max_epochs': got 0; expected a positive integer"),
+        ("--resume", "/run': no such file or directory"),  # no run has written output_dir yet
+        ("--resume=nowhere", "cannot resume from 'nowhere': no such file or directory"),
+        ("--reset_optimizer", "--reset_optimizer applies to a resumed fit; add --resume [PATH]"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(project: Path, override: str, expected: str) -> None:
@@ -100,6 +103,12 @@ def test_user_errors_are_one_line_without_traceback(project: Path, override: str
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list((project / "run").rglob("config.yaml"))  # nothing half-written
+
+
+def test_resume_is_an_option_of_fit_only(project: Path) -> None:
+    proc = run_cli("validate", "--config", "config.yaml", "--resume", cwd=project)
+    assert proc.returncode == 2
+    assert "--resume and --reset_optimizer apply to 'torchloom fit', not to 'validate'" in proc.stderr
 
 
 def test_plugins_lists_installed_builtins(tmp_path: Path) -> None:

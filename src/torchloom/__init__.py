@@ -8,7 +8,15 @@ from torchloom.checkpoint import delete_checkpoint, save_checkpoint
 from torchloom.config import EngineConfig
 from torchloom.data import DataModule
 from torchloom.engine import Engine
-from torchloom.errors import CheckpointError, ConfigError, PluginError, RunFileError, TaskError, TorchloomError
+from torchloom.errors import (
+    CheckpointError,
+    ConfigError,
+    PluginError,
+    RunFileError,
+    TaskError,
+    TorchloomError,
+    TrainingInterrupted,
+)
 from torchloom.hookspecs import hookimpl, hookspec
 from torchloom.memory import estimate_optimizer_memory
 from torchloom.module import TaskModule
@@ -34,6 +42,7 @@ __all__ = [
     "TaskError",
     "TaskModule",
     "TorchloomError",
+    "TrainingInterrupted",
     "__version__",
     "build_config",
     "delete_checkpoint",

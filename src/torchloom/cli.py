@@ -14,7 +14,10 @@ subclass + ``init_args``), ``data`` (same for a `DataModule`, optional) and ``pl
 setting and keeps the others. The directory of the ``--config`` file (and the working directory) go on
 ``sys.path`` *after* the installed packages, so tasks defined next to it import by module name but a file there
 cannot shadow a library; a ``class_path`` imports (runs) the module it names.
-Errors caused by bad input print one line and exit with status 2; no traceback. ``fit``, ``validate`` and
+    torchloom fit --config run.yaml --resume [PATH]                       # continue from the latest checkpoint
+
+Errors caused by bad input print one line and exit with status 2; no traceback. A fit stopped by SIGTERM or
+Ctrl-C after the ``checkpoint`` plugin saved exits with 128 + the signal number (143, 130). ``fit``, ``validate`` and
 ``predict`` also enable the `DEFAULT_PLUGINS` (the ``progress`` display and summary) unless the config names them;
 ``--print_config`` and ``plugins --config`` show the config as given, ``config.yaml`` what the run enabled.
 
@@ -39,7 +42,7 @@ import pluggy
 import yaml
 
 import torchloom
-from torchloom import ConfigError, DataModule, EngineConfig, TaskModule, TorchloomError
+from torchloom import ConfigError, DataModule, EngineConfig, TaskModule, TorchloomError, TrainingInterrupted
 
 __all__ = ["main"]
 
@@ -59,13 +62,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = next((a for a in argv if not a.startswith("-")), None)
         if command in RUN_COMMANDS:
             argv, plugin_options, print_flags = _take_cli_options(argv, argv.index(command) + 1)
+            argv, resume = _take_resume_options(argv, command)
             cfg, _ = _load_run_config(parser, argv, command, plugin_options)
             if print_flags is not None:
                 sys.stdout.write(run_parsers[command].dump(cfg[command], **print_flags))
                 return 0
-            return _run_command(parser, cfg, command)
+            return _run_command(parser, cfg, command, **resume)
         cfg = parser.parse_args(argv)
         return _plugins_command(parser, cfg.plugins)
+    except TrainingInterrupted as exc:  # a checkpoint was saved: the status tells a scheduler to requeue
+        print(f"torchloom: {exc}", file=sys.stderr)
+        return exc.exit_code
     except TorchloomError as exc:
         print(f"torchloom: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2
@@ -144,6 +151,39 @@ def _take_cli_options(argv: list[str], start: int) -> tuple[list[str], list[tupl
             raise ConfigError(f"{option}: value {text!r} is not valid YAML ({problem})") from None
         options.append((key, value))
     return rest, options, print_flags
+
+
+def _take_resume_options(argv: list[str], command: str) -> tuple[list[str], dict[str, Any]]:
+    """Take ``--resume [PATH]`` and ``--reset_optimizer`` (``fit`` only) out of ``argv``.
+
+    ``--resume`` alone resumes from the latest checkpoint under the run's ``output_dir``; ``--resume PATH`` (or
+    ``--resume=PATH``) from a checkpoint, a run directory or an ``output_dir``.
+
+    Raises:
+        ConfigError: either option with a command other than ``fit``, or ``--reset_optimizer`` without ``--resume``.
+    """
+    rest: list[str] = []
+    resume: str | bool | None = None
+    reset, i = False, 0
+    while i < len(argv):
+        option, has_value, text = argv[i].partition("=")
+        if option == "--resume":
+            if has_value:
+                resume = text
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                resume, i = argv[i + 1], i + 1
+            else:
+                resume = True
+        elif argv[i] == "--reset_optimizer":
+            reset = True
+        else:
+            rest.append(argv[i])
+        i += 1
+    if (resume is not None or reset) and command != "fit":
+        raise ConfigError(f"--resume and --reset_optimizer apply to 'torchloom fit', not to '{command}'")
+    if reset and resume is None:
+        raise ConfigError("--reset_optimizer applies to a resumed fit; add --resume [PATH]")
+    return rest, ({"resume": resume, "reset_optimizer": reset} if command == "fit" else {})
 
 
 def _option_example(key: str) -> str:
@@ -358,7 +398,9 @@ def _checked_engine(run: Any) -> Any:
     return engine
 
 
-def _run_command(parser: Any, cfg: Any, command: str) -> int:
+def _run_command(
+    parser: Any, cfg: Any, command: str, resume: str | bool | None = None, reset_optimizer: bool = False
+) -> int:
     if cfg[command].task is None:
         raise ConfigError(
             f"{command}: no task; name a TaskModule subclass in the config (task: {{class_path: module.Class}}) "
@@ -380,7 +422,9 @@ def _run_command(parser: Any, cfg: Any, command: str) -> int:
     engine.plugins.append(_RunDirectoryAnnouncer(engine, command))  # the CLI's own: not in config.yaml
     task, data = objects.task, objects.data
     if command == "fit":
-        metrics = engine.fit(task, datamodule=data)
+        # --resume alone: the output_dir, whose latest checkpoint fit takes
+        ckpt_path = engine.config.output_dir if resume is True else resume if isinstance(resume, str) else None
+        metrics = engine.fit(task, datamodule=data, ckpt_path=ckpt_path, reset_optimizer=reset_optimizer)
     elif command == "validate":
         metrics = engine.validate(task, datamodule=data)
     else:
@@ -417,6 +461,9 @@ class _RunDirectoryAnnouncer:
     def _say(self, accelerator: Any) -> None:
         if not self.said and accelerator.is_main_process:
             print(f"torchloom {self.command}: run directory {self.engine.run_dir}", flush=True)
+            if self.command == "fit" and self.engine.resumed_from is not None:
+                step = self.engine.progress.global_step
+                print(f"torchloom fit: resumed from {self.engine.resumed_from} (step {step})", flush=True)
         self.said = True
 
     @torchloom.hookimpl

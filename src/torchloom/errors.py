@@ -6,7 +6,15 @@ code and keeps its traceback.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigError", "PluginError", "RunFileError", "TaskError", "TorchloomError"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "PluginError",
+    "RunFileError",
+    "TaskError",
+    "TorchloomError",
+    "TrainingInterrupted",
+]
 
 
 class TorchloomError(Exception):
@@ -34,3 +42,33 @@ class RunFileError(TorchloomError, OSError):
 class CheckpointError(TorchloomError):
     """A checkpoint cannot be used: not found, incomplete, altered since it was written, unsafe to load, or
     incompatible with the run (another model shape, optimizer or number of processes). The message says which."""
+
+
+class TrainingInterrupted(TorchloomError):
+    """A fit stopped by a signal (SIGTERM from a scheduler, Ctrl-C) after saving a checkpoint to resume from.
+
+    The ``torchloom`` command exits with `exit_code`, 128 + the signal number (143 for SIGTERM, 130 for SIGINT),
+    the status a shell gives a process the signal ended, so that a scheduler can requeue the job.
+
+    Args:
+        signal_number (`int`): the signal received.
+        checkpoint (`str`): the checkpoint saved before stopping.
+        global_step (`int`): the optimizer steps completed, all saved.
+
+    Attributes:
+        signal_number (`int`), checkpoint (`str`), global_step (`int`), exit_code (`int`).
+    """
+
+    def __init__(self, signal_number: int, checkpoint: str, global_step: int) -> None:
+        import signal
+
+        self.signal_number, self.checkpoint, self.global_step = signal_number, checkpoint, global_step
+        self.exit_code = 128 + signal_number
+        try:
+            name = signal.Signals(signal_number).name
+        except ValueError:
+            name = f"signal {signal_number}"
+        super().__init__(
+            f"interrupted by {name} after optimizer step {global_step}; the checkpoint {checkpoint!r} holds "
+            "everything to continue: fit again with --resume (or ckpt_path=...)"
+        )

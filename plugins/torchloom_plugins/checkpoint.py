@@ -1,0 +1,214 @@
+"""Checkpoints on a schedule, the last and the best kept, and a checkpoint before a preempted job exits.
+
+Method card
+-----------
+- **What:** save everything a fit needs to continue exactly (`torchloom.save_checkpoint`: the model, the optimizer,
+  the scheduler, the fp16 loss scaler, every process's random states, the data position, the engine's counters and
+  every stateful plugin's ``state_dict``) every ``every_n_steps`` optimizer steps and / or every ``every_n_epochs``
+  epochs, into ``<run_dir>/checkpoints/``; keep the ``keep_last`` most recent, plus the ``keep_best`` best by a
+  monitored logged value; on SIGTERM (what SLURM and Kubernetes send before they stop a job) or Ctrl-C, save at the
+  next optimizer-step boundary on every process and stop with `torchloom.TrainingInterrupted`, which the
+  ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues.
+- **Hooks:** ``on_fit_start`` installs the signal handlers (main thread) and, with several processes, a gloo group
+  for the interrupt flag; ``on_log`` records the monitored value; ``on_train_step_end`` saves on the step schedule
+  and acts on an interrupt; ``on_train_epoch_end`` saves on the epoch schedule; ``teardown`` puts the previous
+  signal handlers back.
+- **Processes:** every process calls `torchloom.save_checkpoint` at the same step (a schedule of steps and epochs is
+  the same everywhere). A signal reaches the processes at different moments, so the flag is combined with a
+  max all-reduce on a CPU (gloo) group, started without waiting at each optimizer step and read at the next one:
+  no step waits for it, and every process sees the same answer one step after the signal. Only the main process
+  deletes old checkpoints.
+- **Atomic:** a checkpoint is complete or absent (see `torchloom.checkpoint`); old ones are deleted only after a new
+  one is complete, each by a rename out of sight first, so a kill at any moment leaves the newest complete
+  checkpoint loadable.
+- **Sources:** Lightning's ``ModelCheckpoint`` (``every_n_train_steps``, ``every_n_epochs``, ``save_top_k`` with
+  ``monitor`` / ``mode``, ``save_last``) and its SIGTERM handling for SLURM; the HF Trainer's ``save_steps`` /
+  ``save_total_limit``; Accelerate's ``save_state``.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import torchloom
+
+__all__ = ["Checkpoint", "CheckpointConfig"]
+
+MODES = ("min", "max")
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class CheckpointConfig:
+    """Settings of the ``checkpoint`` plugin.
+
+    Args:
+        every_n_steps (`int`, *optional*): save after every this many optimizer steps; ``None``: not by steps.
+        every_n_epochs (`int`, *optional*, defaults to 1): save at the end of every this many epochs (after the
+            epoch's validation); ``None``: not by epochs.
+        keep_last (`int`, *optional*, defaults to 2): how many of the most recent checkpoints of the run to keep;
+            ``None`` keeps them all.
+        monitor (`str`, *optional*): a logged value (``val/loss``, ``val/auroc``) that ranks the checkpoints; its
+            latest value when a checkpoint is saved is the checkpoint's score.
+        mode (`str`, defaults to ``"min"``): ``"min"`` or ``"max"``: whether a lower or a higher ``monitor`` is
+            better.
+        keep_best (`int`, defaults to 1): with ``monitor``, also keep this many best-scoring checkpoints.
+        save_on_interrupt (`bool`, defaults to True): on SIGTERM or SIGINT (Ctrl-C) during a fit, save at the next
+            optimizer step and stop with `torchloom.TrainingInterrupted`; a second Ctrl-C stops at once.
+
+    Raises:
+        ConfigError: a count below 1, no schedule at all, an unknown ``mode``, ``keep_best`` without
+            ``monitor``, an empty ``monitor``.
+    """
+
+    every_n_steps: int | None = None  # save every this many optimizer steps (None: not by steps)
+    every_n_epochs: int | None = 1  # save at the end of every this many epochs (None: not by epochs)
+    keep_last: int | None = 2  # keep the most recent ones (None: all)
+    monitor: str | None = None  # a logged value that ranks the checkpoints
+    mode: str = "min"  # min or max: which direction of monitor is better
+    keep_best: int = 1  # with monitor: also keep this many best ones
+    save_on_interrupt: bool = True  # SIGTERM / Ctrl-C: save at the next optimizer step, then stop
+
+    def __post_init__(self) -> None:
+        for setting in ("every_n_steps", "every_n_epochs", "keep_last"):
+            value = getattr(self, setting)
+            if value is not None and value < 1:
+                raise torchloom.ConfigError(f"setting {setting!r} = {value!r}; expected an integer >= 1 or null")
+        if self.every_n_steps is None and self.every_n_epochs is None and not self.save_on_interrupt:
+            raise torchloom.ConfigError(
+                "settings every_n_steps and every_n_epochs are both null and save_on_interrupt is false: the plugin "
+                "would never save; set one of them"
+            )
+        if self.mode not in MODES:
+            raise torchloom.ConfigError(f"setting 'mode' = {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.keep_best < 1:
+            raise torchloom.ConfigError(f"setting 'keep_best' = {self.keep_best!r}; expected an integer >= 1")
+        if self.monitor is not None and not self.monitor:
+            raise torchloom.ConfigError("setting 'monitor' = ''; expected a logged name such as 'val/loss', or null")
+
+
+class Checkpoint(torchloom.Plugin):
+    """Save checkpoints on a schedule and before a preempted fit exits; keep the last and the best.
+
+    Example:
+
+    .. code-block:: python
+
+        engine = torchloom.Engine(
+            val_check_interval=500,
+            plugins={"checkpoint": {"every_n_steps": 500, "keep_last": 2, "monitor": "val/loss"}},
+        )
+        engine.fit(task)  # killed? engine.fit(task, ckpt_path=engine.config.output_dir) continues it
+
+    Attributes:
+        saved (`list[str]`): the checkpoints this plugin wrote in the current fit and still keeps, oldest first.
+        scores (`dict[str, float]`): checkpoint -> the ``monitor`` value it was saved with.
+    """
+
+    name = "checkpoint"
+    Config = CheckpointConfig
+
+    def __init__(self, config: CheckpointConfig | None = None, **settings: Any) -> None:
+        super().__init__(config, **settings)
+        self.saved: list[str] = []
+        self.scores: dict[str, float] = {}
+        self._value: float | None = None  # the latest monitored value
+        self._signal: int | None = None  # the first signal received in this fit
+        self._previous_handlers: dict[int, Any] = {}
+        self._group: Any = None  # a gloo group for the interrupt flag (several processes)
+        self._pending: tuple[Any, torch.Tensor] | None = None  # the flag all-reduce started at the last step
+
+    # ----------------------------------------------------------------------------------------------- fit
+
+    @torchloom.hookimpl
+    def on_fit_start(self, accelerator) -> None:
+        self.saved, self.scores, self._value, self._signal, self._pending = [], {}, None, None, None
+        if not self.config.save_on_interrupt:
+            return
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread
+            for number in SIGNALS:
+                self._previous_handlers[number] = signal.signal(number, self._on_signal)
+        if accelerator.num_processes > 1:  # its own group: never interleaved with DDP's or LocalSGD's collectives
+            self._group = torch.distributed.new_group(backend="gloo")
+
+    def _on_signal(self, number: int, frame: Any) -> None:
+        if self._signal is not None and number == signal.SIGINT:  # a second Ctrl-C: stop now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self._signal = number
+
+    @torchloom.hookimpl
+    def on_log(self, metrics: dict[str, float]) -> None:
+        if self.config.monitor is not None and self.config.monitor in metrics:
+            self._value = metrics[self.config.monitor]
+
+    @torchloom.hookimpl
+    def on_train_step_end(self, accelerator, progress) -> None:
+        interrupted = self._interrupt(accelerator)
+        steps = self.config.every_n_steps
+        if interrupted is not None or (steps is not None and progress.global_step % steps == 0):
+            path = self._save(accelerator)
+            if interrupted is not None:
+                raise torchloom.TrainingInterrupted(interrupted, path, progress.global_step)
+
+    @torchloom.hookimpl
+    def on_train_epoch_end(self, accelerator, progress) -> None:
+        epochs = self.config.every_n_epochs
+        if epochs is not None and (progress.epoch + 1) % epochs == 0:
+            self._save(accelerator)
+
+    @torchloom.hookimpl
+    def teardown(self) -> None:
+        for number, handler in self._previous_handlers.items():
+            signal.signal(number, handler)
+        self._previous_handlers.clear()
+        self._pending = None  # a fit that failed on one process: never wait for the others here
+        self._group = None
+
+    # ----------------------------------------------------------------------------------------- internals
+
+    def _interrupt(self, accelerator) -> int | None:
+        """The signal to act on at this step, the same on every process; ``None`` if there is none."""
+        if not self.config.save_on_interrupt:
+            return None
+        if accelerator.num_processes == 1:
+            return self._signal
+        agreed = None
+        if self._pending is not None:  # started one step ago: long finished, so this wait costs nothing
+            work, flag = self._pending
+            work.wait()
+            agreed = int(flag.item()) or None
+        flag = torch.tensor([self._signal or 0], dtype=torch.int64)
+        work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, flag)
+        return agreed
+
+    def _save(self, accelerator) -> str:
+        path = torchloom.save_checkpoint()
+        self.saved.append(path)
+        if self._value is not None and not math.isnan(self._value):
+            self.scores[path] = self._value
+        expired = self._expired()  # the same on every process; only the main process deletes
+        self.saved = [p for p in self.saved if p not in expired]
+        if accelerator.is_main_process:
+            for old in expired:
+                torchloom.delete_checkpoint(old)
+        return path
+
+    def _expired(self) -> list[str]:
+        """The checkpoints of this fit that neither the last ``keep_last`` nor the best ``keep_best`` include."""
+        keep_last = self.config.keep_last
+        keep = set(self.saved if keep_last is None else self.saved[-keep_last:])
+        if self.config.monitor is not None:
+            ranked = sorted(self.scores, key=self.scores.__getitem__, reverse=self.config.mode == "max")
+            keep |= set(ranked[: self.config.keep_best])
+        expired = [p for p in self.saved if p not in keep]
+        for path in expired:
+            self.scores.pop(path, None)
+        return expired
