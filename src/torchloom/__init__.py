@@ -3,6 +3,7 @@
 The public API is exactly what this module exports; plugins (built-in or third-party) import nothing else.
 """
 
+from torchloom._inspect import inspect_path
 from torchloom._logging import request_stop
 from torchloom.checkpoint import delete_checkpoint, save_checkpoint
 from torchloom.config import EngineConfig
@@ -50,6 +51,7 @@ __all__ = [
     "estimate_optimizer_memory",
     "hookimpl",
     "hookspec",
+    "inspect_path",
     "installed_plugins",
     "load_plugin_state",
     "request_stop",

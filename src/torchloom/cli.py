@@ -1,10 +1,12 @@
-"""The ``torchloom`` command: ``fit``, ``validate``, ``predict`` and ``plugins``.
+"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``inspect`` and ``plugins``.
 
 Configs are parsed with jsonargparse (as LightningCLI does)::
 
     torchloom fit --config examples/fine_foods.yaml --engine.max_epochs=2 --data.init_args.batch_size=32
     torchloom fit --config examples/fine_foods.yaml --print_config       # the resolved config, then exit
     torchloom plugins [--json] [--config FILE]                           # installed plugins [and call order]
+    torchloom predict --config run.yaml --ckpt_path PATH                 # with a checkpoint's or export's weights
+    torchloom inspect PATH [--json]                                      # a checkpoint, run directory or export
 
 A config has four sections: ``engine`` (`EngineConfig` fields), ``task`` (``class_path`` of a `TaskModule`
 subclass + ``init_args``), ``data`` (same for a `DataModule`, optional) and ``plugins``
@@ -69,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             return _run_command(parser, cfg, command, **resume)
         cfg = parser.parse_args(argv)
+        if cfg.subcommand == "inspect":
+            return _inspect_command(cfg.inspect)
         return _plugins_command(parser, cfg.plugins)
     except TrainingInterrupted as exc:  # a checkpoint was saved: the status tells a scheduler to requeue
         print(f"torchloom: {exc}", file=sys.stderr)
@@ -106,12 +110,24 @@ def _build_parser() -> tuple[Any, dict[str, Any]]:
             help="Plugins to enable, in order: {name: {settings}} or a list of names. "
             "--plugins.NAME.SETTING=VALUE changes one setting (and enables NAME if it is not enabled yet).",
         )
+        if command == "predict":
+            sub.add_argument(
+                "--ckpt_path",
+                type=str | None,
+                default=None,
+                help="Load these weights before predicting: a checkpoint, an exported model (model/), a run "
+                "directory (its model/, else its latest checkpoint) or an output_dir (its latest checkpoint).",
+            )
         subcommands.add_subcommand(command, sub, help=f"{command} a task")
         run_parsers[command] = sub
     plugins = ArgumentParser(description="List installed plugins (and the call order for a config)")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.add_argument("--config", type=str | None, default=None, help="a run config: show its plugin order")
     subcommands.add_subcommand("plugins", plugins, help="list installed plugins")
+    inspect = ArgumentParser(description="Describe a checkpoint, a run directory or an exported model")
+    inspect.add_argument("path", type=str, help="a checkpoint, a run directory (version_N) or an exported model")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    subcommands.add_subcommand("inspect", inspect, help="describe a checkpoint, run directory or exported model")
     return parser, run_parsers
 
 
@@ -428,9 +444,12 @@ def _run_command(
     elif command == "validate":
         metrics = engine.validate(task, datamodule=data)
     else:
-        predictions = engine.predict(task, datamodule=data)
+        predictions = engine.predict(task, datamodule=data, ckpt_path=cfg[command].ckpt_path)
         metrics = {"batches": float(len(predictions))}
     if engine.accelerator is None or engine.accelerator.is_main_process:
+        if command == "predict" and engine.weights_from is not None:
+            kind, path = engine.weights_from
+            print(f"torchloom predict: weights of {'checkpoint' if kind == 'checkpoint' else 'saved model'} {path}")
         print(f"torchloom {command}: output in {engine.run_dir}")
         if command == "fit" and engine.stop_reason is not None:
             print(f"  stopped early at step {engine.progress.global_step}: {engine.stop_reason}")
@@ -477,6 +496,74 @@ class _RunDirectoryAnnouncer:
     @torchloom.hookimpl
     def on_predict_start(self, accelerator: Any) -> None:
         self._say(accelerator)
+
+
+def _inspect_command(cfg: Any) -> int:
+    """``torchloom inspect PATH [--json]``: what `torchloom.inspect_path` finds, as text or one JSON object."""
+    info = torchloom.inspect_path(cfg.path)
+    if cfg.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for label, value in _inspection_lines(info):
+        print(f"{label:<13} {value}")
+    return 0
+
+
+def _inspection_lines(info: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The rows of ``torchloom inspect``'s text: ``(label, value)``, an empty label continuing the row above."""
+    rows = [(info["kind"], info["path"]), ("model class", info["model_class"] or "n/a")]
+    params = info["parameters"]
+    total, trainable = params["total"], params["trainable"]
+    rows.append(
+        (
+            "parameters",
+            "n/a (no manifest or model card)"
+            if total is None
+            else f"{total:,} ({'trainable n/a' if trainable is None else f'{trainable:,} trainable'})",
+        )
+    )
+    weights = info["weights"]
+    if weights is None:
+        rows.append(("weights", "n/a (no safetensors weights)"))
+    else:
+        where = f" in {info['weights_from']}" if info["kind"] == "run" else ""
+        rows.append(("weights", f"{_amounts(weights)}{where}"))
+        rows += [(f"  {dtype}", _amounts(row)) for dtype, row in weights["dtypes"].items()]
+    if info["global_step"] is not None:
+        rows.append(("step", f"{info['global_step']} (epoch {info['epoch']})"))
+    plugins = info["plugins"]
+    if plugins is None and info["stateful_plugins"] is not None:
+        plugins = dict.fromkeys(info["stateful_plugins"])
+    names = [f"{name} {json.dumps(settings)}" if settings else name for name, settings in (plugins or {}).items()]
+    rows += [("plugins" if i == 0 else "", name) for i, name in enumerate(names or ["(none)"])]
+    metrics = [f"{name} = {_number(value)}" for name, value in sorted(info["metrics"].items())]
+    rows += [("metrics" if i == 0 else "", line) for i, line in enumerate(metrics or ["(none)"])]
+    if info["stateful_plugins"] is not None:
+        rows.append(("plugin state", ", ".join(info["stateful_plugins"]) or "(none)"))
+    if info["checkpoints"] is not None:
+        found = [f"{c['path']}  (step {c['global_step']}, epoch {c['epoch']})" for c in info["checkpoints"]]
+        rows += [("checkpoints" if i == 0 else "", line) for i, line in enumerate(found or ["(none)"])]
+    if info["kind"] == "run":
+        rows.append(("model dir", info["model_dir"] or "(none: the fit saved no model)"))
+    if info["size_bytes"] is not None:
+        rows.append(("files", f"{_bytes(info['size_bytes'])} in all (optimizer state included)"))
+    return rows
+
+
+def _amounts(row: Mapping[str, int]) -> str:
+    return f"{row['tensors']:,} tensors, {row['elements']:,} elements, {_bytes(row['bytes'])}"
+
+
+def _bytes(size: int) -> str:
+    """``1,234,567 bytes (1.23 MB)``; under 1 kB just ``20 bytes``."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if size >= scale:
+            return f"{size:,} bytes ({size / scale:.3g} {unit})"
+    return f"{size:,} bytes"
+
+
+def _number(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def _plugins_command(parser: Any, cfg: Any) -> int:

@@ -1,0 +1,223 @@
+"""`inspect_path`: what a checkpoint, a run directory or an exported model holds, read from JSON and headers only.
+
+Nothing is loaded that could run code: the manifest, ``config.yaml`` (safe YAML), ``summary.json``,
+``metrics.jsonl``, the model card and ``config.json`` are data, and of the weights only the safetensors headers
+(their JSON) are read. No pickle (``optimizer.bin``, the random states) is opened, and no file is hashed: loading
+a checkpoint (``fit(ckpt_path=...)``, ``predict(ckpt_path=...)``) checks the hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from torchloom._export import (
+    MODEL_CARD,
+    is_exported_model,
+    is_run_dir,
+    safetensors_summary,
+    strict_json,
+    weight_files,
+)
+from torchloom.checkpoint import CHECKPOINTS_DIR, MANIFEST, list_checkpoints, read_manifest
+from torchloom.errors import ConfigError
+
+__all__ = ["inspect_path"]
+
+KINDS = ("checkpoint", "run", "model")
+
+
+def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Describe a checkpoint directory, a run directory or an exported model (``torchloom inspect``).
+
+    Args:
+        path (`str` or `os.PathLike`): a checkpoint (a directory with ``manifest.json``); a run directory
+            (``<output_dir>/version_N``: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``model/``); or an
+            exported model (a directory with ``model.safetensors`` or ``model.safetensors.index.json``, as
+            `TaskModule.save_model` and ``save_pretrained`` write, or one ``.safetensors`` file).
+
+    Returns:
+        `dict`: the same keys for every kind, ``None`` where the path does not tell:
+
+        - ``path``, ``kind`` (``"checkpoint"``, ``"run"`` or ``"model"``), ``model_class``;
+        - ``parameters``: ``{"total", "trainable"}``, parameters counted once however many modules share them
+          (from the manifest or the model card; ``None`` for weights saved without either);
+        - ``weights``: from the safetensors headers: ``files``, ``tensors``, ``elements``, ``bytes`` and per
+          dtype (``"float32": {"tensors", "elements", "bytes"}``); a shared tensor is stored, and counted, once;
+          persistent buffers count too;
+        - ``weights_from``: the directory the weights were read from (a run's ``model/`` or latest checkpoint);
+        - ``plugins``: ``{name: settings}`` from the run's ``config.yaml`` or the model card; ``stateful_plugins``:
+          the plugins whose state a checkpoint holds;
+        - ``global_step``, ``epoch`` (0-based, as in ``metrics.jsonl``), ``metrics`` (the latest value of each
+          logged name; non-finite values as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
+        - ``checkpoints``: a run's complete checkpoints, oldest first (``path``, ``global_step``, ``epoch``);
+          ``model_dir``: a run's exported model; ``size_bytes``: a checkpoint's files, all together.
+
+    Raises:
+        ConfigError: ``path`` does not exist or is none of these; a weights file or ``config.json`` that cannot be
+            read.
+        CheckpointError: a checkpoint whose manifest is missing, unreadable or of another format.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise ConfigError(f"inspect: {os.fspath(path)!r}: no such file or directory")
+    if (root / MANIFEST).is_file():
+        info = _checkpoint(root)
+    elif is_exported_model(root):
+        info = _model(root)
+    elif is_run_dir(root):
+        info = _run(root)
+    else:
+        runs = sorted(p.name for p in root.glob("version_*") if p.is_dir()) if root.is_dir() else []
+        hint = f"; it holds runs ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): inspect one" if runs else ""
+        raise ConfigError(
+            f"inspect: {os.fspath(path)!r} is not a checkpoint (manifest.json), a run directory (config.yaml, "
+            f"metrics.jsonl) or an exported model (model.safetensors, model.safetensors.index.json or a .safetensors "
+            f"file){hint}"
+        )
+    return strict_json(info)
+
+
+def _empty(root: Path, kind: str) -> dict[str, Any]:
+    return {
+        "path": str(root),
+        "kind": kind,
+        "model_class": None,
+        "parameters": {"total": None, "trainable": None},
+        "weights": None,
+        "weights_from": None,
+        "plugins": None,
+        "stateful_plugins": None,
+        "global_step": None,
+        "epoch": None,
+        "metrics": {},
+        "checkpoints": None,
+        "model_dir": None,
+        "size_bytes": None,
+    }
+
+
+def _checkpoint(root: Path) -> dict[str, Any]:
+    manifest = read_manifest(root)
+    model = manifest.get("model") or {}
+    info = _empty(root, "checkpoint")
+    shapes = (model.get("parameters") or {}).values()
+    files = sorted((root / "accelerate").glob("*.safetensors"))
+    info.update(
+        model_class=model.get("class"),
+        parameters={"total": sum(math.prod(s) for s in shapes), "trainable": model.get("trainable_parameters")},
+        weights=safetensors_summary(files, root) if files else None,
+        weights_from=str(root),
+        stateful_plugins=list(manifest.get("plugins") or []),
+        global_step=manifest.get("global_step"),
+        epoch=manifest.get("epoch"),
+        metrics=dict(manifest.get("metrics") or {}),
+        size_bytes=sum(int(f.get("bytes", 0)) for f in (manifest.get("files") or {}).values())
+        + (root / MANIFEST).stat().st_size,
+    )
+    if root.parent.name == CHECKPOINTS_DIR:  # inside a run directory: its config names every plugin
+        info["plugins"] = (_read_yaml(root.parent.parent / "config.yaml") or {}).get("plugins")
+    return info
+
+
+def _model(root: Path) -> dict[str, Any]:
+    info = _empty(root, "model")
+    directory = root if root.is_dir() else root.parent
+    files = weight_files(root) if root.is_dir() else [root]
+    info["weights"] = safetensors_summary(files, directory)
+    info["weights_from"] = str(root)
+    card = _read_json(directory / MODEL_CARD) if root.is_dir() else None
+    if card is not None:
+        model = card.get("model") or {}
+        info.update(
+            model_class=model.get("class"),
+            parameters={"total": model.get("parameters"), "trainable": model.get("trainable_parameters")},
+            plugins=card.get("plugins"),
+            global_step=card.get("global_step"),
+            epoch=card.get("epoch"),
+            metrics=dict(card.get("metrics") or {}),
+        )
+    elif root.is_dir() and (root / "config.json").is_file():  # saved by transformers, without a card
+        architectures = (_read_json(root / "config.json") or {}).get("architectures") or [None]
+        info["model_class"] = architectures[0]
+    return info
+
+
+def _run(root: Path) -> dict[str, Any]:
+    info = _empty(root, "run")
+    config = _read_yaml(root / "config.yaml") or {}
+    checkpoints: list[dict[str, Any]] = []
+    for path in list_checkpoints(root):
+        manifest = read_manifest(path)
+        checkpoints.append({"path": path, "global_step": manifest.get("global_step"), "epoch": manifest.get("epoch")})
+    model_dir = root / "model"
+    if is_exported_model(model_dir):  # the final weights of a completed fit
+        source = _model(model_dir)
+    elif checkpoints:
+        source = _checkpoint(Path(checkpoints[-1]["path"]))
+    else:
+        source = _empty(root, "run")
+    info.update(
+        model_class=source["model_class"],
+        parameters=source["parameters"],
+        weights=source["weights"],
+        weights_from=source["weights_from"],
+        plugins=config.get("plugins"),
+        checkpoints=checkpoints,
+        model_dir=str(model_dir) if is_exported_model(model_dir) else None,
+    )
+    records = _read_records(root / "metrics.jsonl")
+    if records:
+        info["global_step"], info["epoch"] = records[-1].get("step"), records[-1].get("epoch")
+    summary = _read_json(root / "summary.json")
+    if summary is not None and isinstance(summary.get("metrics"), dict):
+        info["metrics"] = {name: entry.get("last") for name, entry in summary["metrics"].items()}
+    else:  # the latest value of every name, as Engine.logged_metrics holds them
+        for record in records:
+            info["metrics"].update({k: v for k, v in record.items() if k not in ("step", "epoch")})
+    return info
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"inspect: cannot read {str(path)!r}: {exc}") from None
+    return value if isinstance(value, dict) else None
+
+
+def _read_yaml(path: Path) -> dict[str, Any] | None:
+    try:
+        value = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"inspect: cannot read {str(path)!r}: {' '.join(str(exc).split())}") from None
+    return value if isinstance(value, dict) else None
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of ``metrics.jsonl`` (a partial last line, left by a killed process, is skipped),
+    with the strings ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` read back as floats."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise ConfigError(f"inspect: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append({k: float(v) if v in ("NaN", "Infinity", "-Infinity") else v for k, v in record.items()})
+    return records
