@@ -143,7 +143,8 @@ def test_saving_again_replaces_the_shards_of_an_earlier_save(tmp_path):
     fit_and_save(TiedTask(max_shard_size=300), tmp_path)  # a sharded save first, in version_0
     task = TiedTask()
     trained = fit_and_save(task, tmp_path)  # the same output_dir: a run directory of its own, one file
-    assert sorted(p.name for p in (tmp_path / "version_1" / "model").iterdir()) == ["model.safetensors"]
+    saved = sorted(p.name for p in (tmp_path / "version_1" / "model").iterdir())
+    assert saved == ["model.safetensors", "torchloom_model.json"]  # the weights and the model card
     assert (tmp_path / "version_0" / "model" / "model.safetensors.index.json").is_file()  # both runs kept
     directory = tmp_path / "version_0" / "model"
     task.save_model(directory)  # saving into a directory that holds shards replaces them
