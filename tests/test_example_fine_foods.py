@@ -151,6 +151,29 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
     assert sum(r["label"] == label for r, label in zip(rows, labels, strict=True)) / 64 == final["val/accuracy"]
     assert (out / "latest").resolve() == (out / "version_0").resolve()  # latest still names the fit
 
+    # The checkpoint plugin (enabled in the config) saved the end of the epoch; predict from it gives the saved
+    # model's predictions, and inspect describes the checkpoint and the exported model alike.
+    (checkpoint,) = (out / "version_0" / "checkpoints").iterdir()
+    assert checkpoint.name == "step-00000004-epoch-end"
+    command = [sys.executable, "-m", "torchloom.cli", "predict", "--config", str(CONFIG), *overrides]
+    done = subprocess.run(
+        [*command, f"--ckpt_path={checkpoint}", f"--engine.output_dir={out}"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    from_checkpoint = [json.loads(line) for line in (out / "version_3" / "predictions.jsonl").open()]
+    assert [r["label"] for r in from_checkpoint] == [r["label"] for r in rows]
+    assert [r["p_great"] for r in from_checkpoint] == pytest.approx([r["p_great"] for r in rows], abs=1e-6)
+    described = {}
+    for path in (checkpoint, out / "version_0" / "model"):
+        inspect = [sys.executable, "-m", "torchloom.cli", "inspect", str(path), "--json"]
+        done = subprocess.run(inspect, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        described[path.name] = json.loads(done.stdout)
+    total = sum(p.numel() for p in model.parameters())
+    assert described["model"]["parameters"]["total"] == total
+    assert described[checkpoint.name]["parameters"]["total"] == total
+    assert described[checkpoint.name]["global_step"] == 4
+
 
 def test_python_fit_saves_the_trained_model(fine_foods, tmp_path, threads):
     from transformers import AutoModelForSequenceClassification
