@@ -1,4 +1,4 @@
-"""Data for torchloom runs: `DataModule`, text preprocessing and the processed-dataset cache.
+"""Data for torchloom runs: `DataModule`, text and image preprocessing and the processed-dataset cache.
 
 `DataModule` is imported with ``torchloom``; the preprocessing names load `datasets` and `transformers`, so
 they are imported on first use (``from torchloom.data import TextClassificationData``), not by ``import
@@ -14,6 +14,19 @@ from torchloom.data.module import DataModule
 
 if TYPE_CHECKING:
     from torchloom.data.cache import DatasetCache, cache_key, default_cache_dir, fingerprint
+    from torchloom.data.image import (
+        ImageAugmentation,
+        ImageClassificationData,
+        ImageTransform,
+        image_data_fingerprint,
+        image_table,
+        load_image,
+        load_image_processor,
+        preprocess_images,
+        random_crop,
+        random_horizontal_flip,
+        read_image_folder,
+    )
     from torchloom.data.text import (
         TextClassificationData,
         encode_labels,
@@ -28,6 +41,17 @@ _LAZY = {
     "cache_key": "torchloom.data.cache",
     "default_cache_dir": "torchloom.data.cache",
     "fingerprint": "torchloom.data.cache",
+    "ImageAugmentation": "torchloom.data.image",
+    "ImageClassificationData": "torchloom.data.image",
+    "ImageTransform": "torchloom.data.image",
+    "image_data_fingerprint": "torchloom.data.image",
+    "image_table": "torchloom.data.image",
+    "load_image": "torchloom.data.image",
+    "load_image_processor": "torchloom.data.image",
+    "preprocess_images": "torchloom.data.image",
+    "random_crop": "torchloom.data.image",
+    "random_horizontal_flip": "torchloom.data.image",
+    "read_image_folder": "torchloom.data.image",
     "TextClassificationData": "torchloom.data.text",
     "encode_labels": "torchloom.data.text",
     "load_tokenizer": "torchloom.data.text",
@@ -39,12 +63,23 @@ _LAZY = {
 __all__ = [
     "DataModule",
     "DatasetCache",
+    "ImageAugmentation",
+    "ImageClassificationData",
+    "ImageTransform",
     "TextClassificationData",
     "cache_key",
     "default_cache_dir",
     "encode_labels",
     "fingerprint",
+    "image_data_fingerprint",
+    "image_table",
+    "load_image",
+    "load_image_processor",
     "load_tokenizer",
+    "preprocess_images",
+    "random_crop",
+    "random_horizontal_flip",
+    "read_image_folder",
     "read_table",
     "tokenize",
     "tokenizer_fingerprint",
