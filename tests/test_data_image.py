@@ -417,3 +417,57 @@ def test_two_processes_preprocess_once_and_train_on_disjoint_shards(tmp_path):
     assert sorted(main["seen"] + other["seen"]) == sorted(everything)
     info = json.loads((Path(main["cache_path"]) / "torchloom_cache.json").read_text())
     assert info["settings"]["sources"] == {"train": "image folder"}
+
+
+# ------------------------------------------------------------------------------------------ config files
+
+
+PROBE_TASK = """
+import torch, torchloom
+
+class Probe(torchloom.TaskModule):
+    def configure_model(self):
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 2))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def training_step(self, batch, batch_idx):
+        print("batch", tuple(batch["pixel_values"].shape), batch["pixel_values"].dtype, flush=True)
+        return torch.nn.functional.cross_entropy(self.model(batch["pixel_values"]), batch["labels"])
+"""
+
+
+def test_cli_config_with_an_image_processor_mapping(tmp_path):
+    """The user guide's YAML: a processor given as a mapping reaches load_image_processor as a dict (not as its
+    string form), and augmentation settings parse."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    make_folder(tmp_path / "images" / "train", {"a": 4, "b": 4})
+    (tmp_path / "probe_task.py").write_text(PROBE_TASK)
+    config = {
+        "engine": {"max_epochs": 1, "output_dir": str(tmp_path / "runs")},
+        "task": {"class_path": "probe_task.Probe"},
+        "data": {
+            "class_path": "torchloom.data.ImageClassificationData",
+            "init_args": {
+                "train": str(tmp_path / "images" / "train"),
+                "image_processor": {**VIT, "size": {"height": 16, "width": 16}},
+                "random_crop_padding": 4,
+                "horizontal_flip": 0.5,
+                "batch_size": 4,
+                "cache_dir": str(tmp_path / "cache"),
+            },
+        },
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(tmp_path / "config.yaml")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("batch (4, 3, 16, 16) torch.float32") == 2
+    (entry,) = (tmp_path / "cache").iterdir()
+    settings = json.loads((entry / "torchloom_cache.json").read_text())["settings"]
+    assert settings["transform"]["processor"]["config"]["size"] == {"height": 16, "width": 16}

@@ -814,7 +814,8 @@ class ImageClassificationData(DataModule):
         label_column: str = "label",
         label_names: list[str] | None = None,
         mode: str = "RGB",
-        image_processor: str | os.PathLike[str] | dict[str, Any] | None = None,
+        # dict first: jsonargparse tries the types in order, and a str would swallow a YAML mapping
+        image_processor: dict[str, Any] | str | os.PathLike[str] | None = None,
         processor_backend: str | None = "pil",
         size: int | list[int] | None = None,
         mean: float | list[float] | None = None,
