@@ -1,4 +1,4 @@
-"""Data for torchloom runs: `DataModule`, text and image preprocessing and the processed-dataset cache.
+"""Data for torchloom runs: `DataModule`, text, image and audio preprocessing and the processed-dataset cache.
 
 `DataModule` is imported with ``torchloom``; the preprocessing names load `datasets` and `transformers`, so
 they are imported on first use (``from torchloom.data import TextClassificationData``), not by ``import
@@ -13,6 +13,18 @@ from typing import TYPE_CHECKING, Any
 from torchloom.data.module import DataModule
 
 if TYPE_CHECKING:
+    from torchloom.data.audio import (
+        AudioClassificationData,
+        LogMelSpectrogram,
+        audio_fingerprint,
+        build_feature_extractor,
+        extract_features,
+        feature_extractor_fingerprint,
+        fix_length,
+        read_audio,
+        read_audio_folder,
+        resample,
+    )
     from torchloom.data.cache import DatasetCache, cache_key, default_cache_dir, fingerprint
     from torchloom.data.image import (
         ImageAugmentation,
@@ -37,6 +49,16 @@ if TYPE_CHECKING:
     )
 
 _LAZY = {
+    "AudioClassificationData": "torchloom.data.audio",
+    "LogMelSpectrogram": "torchloom.data.audio",
+    "audio_fingerprint": "torchloom.data.audio",
+    "build_feature_extractor": "torchloom.data.audio",
+    "extract_features": "torchloom.data.audio",
+    "feature_extractor_fingerprint": "torchloom.data.audio",
+    "fix_length": "torchloom.data.audio",
+    "read_audio": "torchloom.data.audio",
+    "read_audio_folder": "torchloom.data.audio",
+    "resample": "torchloom.data.audio",
     "DatasetCache": "torchloom.data.cache",
     "cache_key": "torchloom.data.cache",
     "default_cache_dir": "torchloom.data.cache",
@@ -61,16 +83,23 @@ _LAZY = {
 }
 
 __all__ = [
+    "AudioClassificationData",
     "DataModule",
     "DatasetCache",
     "ImageAugmentation",
     "ImageClassificationData",
     "ImageTransform",
+    "LogMelSpectrogram",
     "TextClassificationData",
+    "audio_fingerprint",
+    "build_feature_extractor",
     "cache_key",
     "default_cache_dir",
     "encode_labels",
+    "extract_features",
+    "feature_extractor_fingerprint",
     "fingerprint",
+    "fix_length",
     "image_data_fingerprint",
     "image_table",
     "load_image",
@@ -79,8 +108,11 @@ __all__ = [
     "preprocess_images",
     "random_crop",
     "random_horizontal_flip",
+    "read_audio",
+    "read_audio_folder",
     "read_image_folder",
     "read_table",
+    "resample",
     "tokenize",
     "tokenizer_fingerprint",
 ]
