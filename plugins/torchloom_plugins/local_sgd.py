@@ -221,6 +221,20 @@ class LocalSGDPlugin(torchloom.Plugin):
 
     # ---------------------------------------------------------------------------------------- checkpoints
 
+    @classmethod
+    def estimate_state_bytes(cls, model: torch.nn.Module, settings: dict[str, Any] | None = None) -> int:
+        """Bytes of state the plugin holds per process for ``model`` beyond the optimizer's: with an outer optimizer
+        (DiLoCo), the fp32 global parameters and the fp32 momentum buffer, 2 x 4 bytes per parameter; 0 for plain
+        averaging. Add it to `torchloom.estimate_optimizer_memory` for the total.
+
+        Raises:
+            ConfigError: bad ``settings``.
+        """
+        config = torchloom.build_config(cls, settings)
+        if config.outer_optimizer is None:
+            return 0
+        return 2 * 4 * sum(p.numel() for p in model.parameters())
+
     def state_dict(self) -> dict[str, Any]:
         """Return ``{"num_steps": optimizer steps counted}``, and with an outer optimizer (DiLoCo) also
         ``"outer_steps"`` and the fp32 global parameters and momentum buffers (``"outer_params"``,

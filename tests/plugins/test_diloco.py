@@ -137,3 +137,15 @@ def test_outer_state_round_trips_and_must_match_the_setting(tmp_path):
         LocalSGDPlugin().load_state_dict(state)
     with pytest.raises(torchloom.PluginError, match="saved with plain averaging, but outer_optimizer is 'sgd'"):
         LocalSGDPlugin(outer_optimizer="sgd").load_state_dict({"num_steps": 2})
+
+
+def test_the_memory_estimate_counts_the_fp32_global_parameters_and_momentum():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(torch.bfloat16)  # 23 parameters
+    assert LocalSGDPlugin.estimate_state_bytes(model, {"outer_optimizer": "nesterov"}) == 23 * 2 * 4
+    assert LocalSGDPlugin.estimate_state_bytes(model, {"sync_every": 4}) == 0
+    plugin = LocalSGDPlugin(outer_optimizer="sgd")
+    plugin.load_state_dict(
+        {"num_steps": 0, "outer_steps": 0, "outer_params": [torch.zeros(23)], "outer_buffers": [torch.zeros(23)]}
+    )
+    held = sum(t.numel() * t.element_size() for t in [*plugin.outer_params, *plugin.outer_buffers])
+    assert held == LocalSGDPlugin.estimate_state_bytes(model, {"outer_optimizer": "sgd"})
