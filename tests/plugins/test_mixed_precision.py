@@ -250,27 +250,32 @@ def test_fp16_with_accumulation_keeps_the_partial_window_exact(tmp_path) -> None
 # ------------------------------------------------------------------------------------------------- C10
 
 
-class SaveLoad:
-    """Saves the whole Accelerator state (model, optimizer, scheduler, scaler, RNG) at the end of a fit, or
-    loads it at the start of one, with `accelerate.Accelerator.save_state` / ``load_state``."""
+class SaveAt:
+    """Saves a checkpoint (`torchloom.save_checkpoint`) right after optimizer step ``step``, then stops the fit as a
+    crash would; records the loss scale it saved."""
 
-    name = "test.save_load"
+    name = "test.save_at"
 
-    def __init__(self, directory: str, mode: str) -> None:
-        self.directory, self.mode = directory, mode
-        self.scale: float | None = None
+    class Stop(Exception):
+        pass
+
+    def __init__(self, step: int) -> None:
+        self.step, self.path, self.scale = step, None, None
+
+    @torchloom.hookimpl
+    def on_train_step_end(self, accelerator, progress) -> None:
+        if progress.global_step == self.step:
+            self.scale = accelerator.scaler.get_scale()
+            self.path = torchloom.save_checkpoint()
+            raise SaveAt.Stop
+
+
+class ScaleAtStart:
+    name = "test.scale_at_start"
 
     @torchloom.hookimpl
     def on_fit_start(self, accelerator) -> None:
-        if self.mode == "load":
-            accelerator.load_state(self.directory)
-            self.scale = accelerator.scaler.get_scale()
-
-    @torchloom.hookimpl
-    def on_fit_end(self, accelerator) -> None:
-        if self.mode == "save":
-            self.scale = accelerator.scaler.get_scale()
-            accelerator.save_state(self.directory)
+        self.scale = accelerator.scaler.get_scale()
 
 
 def test_c10_the_loss_scaler_is_saved_and_restored_and_the_run_continues_identically(tmp_path) -> None:
@@ -286,15 +291,17 @@ def test_c10_the_loss_scaler_is_saved_and_restored_and_the_run_continues_identic
     scales = [s["scale"] for s in probe_a.scaler_states]
     assert scales == [2.0**k for k in (10, 11, 11, 12, 11, 11, 12, 11)]
 
-    ckpt = str(tmp_path / "ckpt")
-    saver, probe_b1 = SaveLoad(ckpt, "save"), ScalerProbe()
-    _run([amp, probe_b1, saver], OverflowTask("step", overflow, lr=0.1), tmp_path / "b1", max_steps=4)
+    saver, probe_b1 = SaveAt(4), ScalerProbe()
+    with pytest.raises(SaveAt.Stop):
+        _run([amp, probe_b1, saver], OverflowTask("step", overflow, lr=0.1), tmp_path / "b1")
     assert probe_b1.params == probe_a.params[:4]
 
-    loader, probe_b2 = SaveLoad(ckpt, "load"), ScalerProbe()
-    task_b2 = OverflowTask("step", overflow, lr=0.1, start=4)  # the data of steps 5-8
-    _run([amp, probe_b2, loader], task_b2, tmp_path / "b2")
-    assert saver.scale == loader.scale == 4096.0  # the scale right after load is the saved one, not 2**10
+    # A new engine resumes from the checkpoint (the engine's own, not a hand-made Accelerator state).
+    start, probe_b2 = ScaleAtStart(), ScalerProbe()
+    task_b2 = OverflowTask("step", overflow, lr=0.1)
+    engine = torchloom.Engine(plugins=[amp, probe_b2, start], output_dir=str(tmp_path / "b2"), log_every_n_steps=1)
+    engine.fit(task_b2, ckpt_path=saver.path)
+    assert saver.scale == start.scale == 4096.0  # the scale right after load is the saved one, not 2**10
     assert probe_b2.skipped == probe_a.skipped[4:]
     assert probe_b2.lrs == probe_a.lrs[4:]
     assert probe_b2.scaler_states == probe_a.scaler_states[4:]
