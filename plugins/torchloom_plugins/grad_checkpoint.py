@@ -24,6 +24,7 @@ Run: ``plugins: {grad_checkpoint: {modules: hf}}`` or ``{grad_checkpoint: {modul
 from __future__ import annotations
 
 import fnmatch
+import functools
 import types
 import warnings
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ class CheckpointConfig:
 def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The ``forward`` installed on a checkpointed module (bound with `types.MethodType`, so deepcopy rebinds)."""
     settings = self.__dict__[_SETTINGS_ATTR]
-    inner = settings["inner"] or types.MethodType(type(self).forward, self)
+    # functools.partial, not types.MethodType: torch.compile traces through a partial, not a method constructor
+    inner = settings["inner"] or functools.partial(type(self).forward, self)
     if not (self.training and torch.is_grad_enabled()):  # nothing to save for backward: run as is
         return inner(*args, **kwargs)
     use_reentrant = settings["use_reentrant"]
