@@ -8,9 +8,10 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
   (``random_states_<rank>.pkl``). Accelerate reads them back with ``torch.load(weights_only=True)`` (numpy
   arrays allowed for the random states), and no custom object is ever registered with it, so none of these
   files can run code when loaded.
-- ``engine/``: the engine's counters, the data position (epoch, batches consumed in it, the sampler seed), the
-  partial sums of values logged since the last logging step, and the learning-rate scheduler's state: JSON
-  and safetensors (`torchloom.state`).
+- ``engine/``: the engine's counters, the data position (epoch, batches consumed in it, the sampler seed), and
+  the learning-rate scheduler's state; in ``engine/process_<rank>/`` what is each process's own: the partial
+  sums of the values logged since the last logging step, and the states of the generators its data loader
+  draws from as an epoch starts, as the epoch to resume in started: JSON and safetensors (`torchloom.state`).
 - ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
@@ -43,7 +44,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 
 from torchloom.errors import CheckpointError, RunFileError
-from torchloom.state import load_plugin_state, save_plugin_state
+from torchloom.state import _stateful, load_plugin_state, save_plugin_state
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -61,6 +62,7 @@ MANIFEST = "manifest.json"
 CHECKPOINTS_DIR = "checkpoints"
 _TEMPORARY = re.compile(r"\.(.+)\.(?:tmp|deleting)-(\d+)$")
 _CHUNK = 1 << 20
+_UNCHECKED: Any = object()  # check_compatible: an argument not to compare
 
 _SAVER: ContextVar[Callable[[str | None], str] | None] = ContextVar("torchloom_checkpoint_saver", default=None)
 
@@ -122,8 +124,13 @@ def write_checkpoint(
     plugins: Iterable[Any],
     engine_state: dict[str, Any],
     metrics: Mapping[str, float],
+    process_state: dict[str, Any] | None = None,
 ) -> str:
     """Write a checkpoint into ``directory`` atomically (every process calls this); return its path.
+
+    ``engine_state`` is the main process's; ``process_state`` (each process's own: its partial log sums, its
+    data generators) is written by every process, to ``engine/process_<rank>/``, and `load_checkpoint` merges it
+    into the engine state of the same process.
 
     Raises:
         CheckpointError: ``directory`` exists.
@@ -146,6 +153,9 @@ def write_checkpoint(
         if scheduler is not None:
             own.append(_Named("lr_scheduler", scheduler.state_dict, _no_load))
         save_plugin_state(own, tmp / "engine", is_main_process=main)
+        if process_state is not None:
+            mine = [_Named("process", lambda: process_state, _no_load)]
+            save_plugin_state(mine, tmp / "engine" / f"process_{accelerator.process_index}")
         accelerator.wait_for_everyone()  # every process's files are complete
         if main:
             manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics)
@@ -314,13 +324,23 @@ def find_checkpoint(path: str | os.PathLike[str]) -> str:
 
 
 def check_compatible(
-    manifest: Mapping[str, Any], *, accelerator: Any, model: torch.nn.Module, optimizer: Any, reset_optimizer: bool
+    manifest: Mapping[str, Any],
+    *,
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    reset_optimizer: bool,
+    plugins: Iterable[Any] | None = None,
+    scheduler: Any = _UNCHECKED,
 ) -> bool:
     """Compare a checkpoint with the run about to load it; return whether to load the optimizer's state.
 
+    ``plugins`` (the run's plugins) and ``scheduler`` (the run's, or ``None``) are compared when given.
+
     Raises:
-        CheckpointError: another number of processes, other parameter names or shapes, or another optimizer
-            class without ``reset_optimizer``: one message listing what differs.
+        CheckpointError: another number of processes, other parameter names or shapes, another optimizer
+            class without ``reset_optimizer``, another set of stateful plugins, or a learning-rate scheduler on
+            one side only: one message listing what differs.
     """
     problems = []
     if manifest.get("world_size") != accelerator.num_processes:
@@ -348,6 +368,21 @@ def check_compatible(
                 f"its optimizer is {saved_optimizer}, this run's is {type(inner).__name__} (pass reset_optimizer=True, "
                 "or --reset_optimizer, to start the new optimizer with fresh state)"
             )
+    if plugins is not None:
+        saved_plugins, enabled = sorted(manifest.get("plugins") or []), sorted(name for name, _ in _stateful(plugins))
+        if saved_plugins != enabled:
+            problems.append(
+                f"its stateful plugins are {', '.join(map(repr, saved_plugins)) or 'none'}, this run's are "
+                f"{', '.join(map(repr, enabled)) or 'none'} (enable the same stateful plugins)"
+            )
+    if scheduler is not _UNCHECKED:
+        saved_scheduler = "engine/lr_scheduler.json" in (manifest.get("files") or {})
+        if saved_scheduler != (scheduler is not None):
+            problems.append(
+                "it holds a learning-rate scheduler's state and this run has no scheduler"
+                if saved_scheduler
+                else "this run has a learning-rate scheduler and the checkpoint holds none"
+            )
     if problems:
         raise CheckpointError("cannot resume from checkpoint: " + "; ".join(problems))
     return load_optimizer and not reset_optimizer
@@ -363,20 +398,28 @@ def load_checkpoint(
     plugins: Iterable[Any],
     reset_optimizer: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Load a checkpoint into a prepared run (every process); return ``(engine_state, manifest)``.
+    """Load a checkpoint into a prepared run (every process); return ``(engine_state, manifest)``, the engine
+    state with this process's own part (``engine/process_<rank>/``) merged in.
 
     The random states are restored too (by Accelerate); the engine restores them once more after the resumed
     epoch's first batch is drawn, so that starting the data loader does not shift them.
 
     Raises:
-        CheckpointError: not a checkpoint, incompatible with this run (`check_compatible`), altered files, or a
-            file that cannot be loaded safely.
-        PluginError: the stateful plugins differ from the checkpoint's, or one rejects its state.
+        CheckpointError: not a checkpoint, incompatible with this run (`check_compatible`: also another set of
+            stateful plugins, or a scheduler on one side only), altered files, or a file that cannot be loaded
+            safely.
+        PluginError: a plugin's saved state does not match its files, or the plugin rejects it.
     """
     manifest = read_manifest(directory)
     verify_files(directory, manifest)
     load_optimizer = check_compatible(
-        manifest, accelerator=accelerator, model=model, optimizer=optimizer, reset_optimizer=reset_optimizer
+        manifest,
+        accelerator=accelerator,
+        model=model,
+        optimizer=optimizer,
+        reset_optimizer=reset_optimizer,
+        plugins=plugins,
+        scheduler=scheduler,
     )
     root = Path(directory)
     states: dict[str, dict[str, Any]] = {}
@@ -388,6 +431,9 @@ def load_checkpoint(
     if scheduler is not None:
         own.append(_Named("lr_scheduler", scheduler.state_dict, keep("lr_scheduler")))
     load_plugin_state(own, root / "engine")  # read and checked before anything of the run changes
+    process_dir = root / "engine" / f"process_{accelerator.process_index}"
+    if process_dir.is_dir():  # this process's own part of the engine state
+        load_plugin_state([_Named("process", dict, keep("process"))], process_dir)
     load_plugin_state(plugins, root / "plugins")  # every file checked before any plugin's load_state_dict
     fresh_optimizer = None if load_optimizer else _copy_state(optimizer.state_dict())
     try:
@@ -403,7 +449,7 @@ def load_checkpoint(
         optimizer.load_state_dict(fresh_optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(states["lr_scheduler"])
-    return states["engine"], manifest
+    return {**states["engine"], **states.get("process", {})}, manifest
 
 
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -109,8 +109,15 @@ class Engine:
         self._validated_at = -1  # the global_step of the last validation of this fit
         #: The checkpoint the last fit resumed from (``fit(..., ckpt_path=...)``), ``None`` for a fresh fit.
         self.resumed_from: str | None = None
+        #: The weights the last ``predict(..., ckpt_path=...)`` loaded, ``(kind, path)`` with kind ``"checkpoint"`` or
+        #: ``"model"``; ``None`` without ``ckpt_path``.
+        self.weights_from: tuple[str, str] | None = None
         # The data position while a checkpoint may be saved (on_train_step_end / on_train_epoch_end), else None.
         self._position: dict[str, Any] | None = None
+        # The states of the data generators (`_data_generators`) at the start of the current epoch, and those a
+        # resumed checkpoint gives the first epoch it trains.
+        self._epoch_generators: dict[str, torch.Tensor] = {}
+        self._resumed_generators: dict[str, torch.Tensor] | None = None
 
     @property
     def accelerator(self) -> Accelerator | None:
@@ -159,6 +166,7 @@ class Engine:
         relay, acc, model = run.relay, run.accelerator, run.model
         self.progress, self._checks = Progress(), TrainingChecks(self.config.nonfinite_loss)
         self.stop_reason, self._validated_at, self.resumed_from = None, -1, resume_path
+        self._resumed_generators = None  # a resume sets them (nothing left from a fit that failed early)
         end = {"accelerator": acc, "task": task, "model": model}
         error: BaseException | None = None
         try:
@@ -204,6 +212,13 @@ class Engine:
         check_same_length(acc, loader, "training")
         if hasattr(loader, "set_epoch"):  # the epoch's own shuffle (seed + epoch), also in a resumed fit
             loader.set_epoch(epoch)
+        generators = _data_generators(loader)
+        if self._resumed_generators is not None:  # what the loader draws as it starts: as the checkpoint's run drew it
+            for name, state in self._resumed_generators.items():
+                if name in generators:
+                    generators[name].set_state(state)
+            self._resumed_generators = None
+        self._epoch_generators = {name: generator.get_state() for name, generator in generators.items()}
         if rng is not None and skip == 0:
             set_random_states(rng)
             rng = None
@@ -320,9 +335,14 @@ class Engine:
             "validated_at": self._validated_at,
             "checks": {"checked_step": self._checks.checked_step, "scaler_skips": self._checks.scaler_skips},
             "default_step": [self._default_step.skipped_steps, self._default_step.scaler_skipped_steps],
-            "log_buffer": self.logs.train.state_dict(),
             "sampler_seed": getattr(sampler, "initial_seed", None),
         }
+        # This process's data generators as the epoch to resume in starts: this one's, or (at its end) the next's.
+        generators = (
+            {name: g.get_state() for name, g in _data_generators(run.train_dataloader).items()}
+            if self._position["epoch_finished"]
+            else dict(self._epoch_generators)
+        )
         return write_checkpoint(
             directory,
             accelerator=run.accelerator,
@@ -332,6 +352,7 @@ class Engine:
             plugins=self.plugins,
             engine_state=state,
             metrics=self.logs.latest,
+            process_state={"log_buffer": self.logs.train.state_dict(), "data_generators": generators},
         )
 
     def _resume(self, run: Run, path: str, reset_optimizer: bool) -> tuple[int, int, Any, tuple[int, int]]:
@@ -363,6 +384,7 @@ class Engine:
         sampler = get_sampler(run.train_dataloader)
         if state["sampler_seed"] is not None and hasattr(sampler, "initial_seed"):
             sampler.initial_seed = state["sampler_seed"]
+        self._resumed_generators = state.get("data_generators")
         position = state["position"]
         if position["epoch_finished"]:
             return position["epoch"] + 1, 0, rng, tuple(state["default_step"])
@@ -540,3 +562,20 @@ class Engine:
     def resolved_plugin_settings(self) -> dict[str, Any]:
         """The enabled plugins in order, name -> every setting (defaults filled in), as written to config.yaml."""
         return {plugin_name(p): config_dict(getattr(p, "config", None)) for p in self.plugins}
+
+
+def _data_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The generators the training loader draws from as an epoch starts, each once, by name: the shuffling
+    sampler's (Accelerate's ``synchronized_generator``: ``DataLoader(shuffle=True, generator=...)`` when ``seed`` is
+    ``None``), the DataLoader's own (its workers' base seed), and torch's global one (a sampler without a generator
+    seeds itself from it; so does the base seed then). A checkpoint keeps their states as its epoch started, so
+    that the resumed epoch draws its order again exactly before the random states are restored."""
+    found: dict[str, torch.Generator] = {}
+    for name, generator in (
+        ("sampler", getattr(loader, "synchronized_generator", None)),
+        ("dataloader", getattr(loader, "generator", None)),
+        ("torch", torch.default_generator),
+    ):
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found.values()):
+            found[name] = generator
+    return found
