@@ -43,7 +43,7 @@ import torch
 
 import torchloom
 
-__all__ = ["Compile", "CompileConfig", "compile_counters", "compile_in_place"]
+__all__ = ["Compile", "CompileConfig", "compile_counters", "compile_in_place", "last_recompile_reason"]
 
 _MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -146,6 +146,18 @@ def compile_in_place(model: torch.nn.Module, **kwargs: Any) -> None:
     model._compiled_call_impl = torch.compile(fresh, **kwargs)
 
 
+def last_recompile_reason() -> str | None:
+    """The reason Dynamo gave for its latest recompilation in this process (a failed guard, such as
+    ``tensor 'args[0]' size mismatch at index 1. expected 13, actual 15``), or ``None`` if it kept none."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        reasons = [m.recompile_reason for m in get_compilation_metrics() if getattr(m, "recompile_reason", None)]
+    except (ImportError, AttributeError):  # a private API: absent in another torch version
+        return None
+    return str(reasons[-1]) if reasons else None
+
+
 class Compile(torchloom.Plugin):
     """Compile the model with ``torch.compile`` (in place, before it is prepared) and log what it costs.
 
@@ -205,9 +217,11 @@ class Compile(torchloom.Plugin):
         log("compile/graph_breaks", float(self.graph_breaks), reduce="last")
         if self.recompiles > self.config.recompile_warn_threshold and not self._warned:
             self._warned = True
+            reason = last_recompile_reason()
             warnings.warn(
                 f"compile: {self.recompiles} graphs were recompiled after the first step (threshold "
-                f"{self.config.recompile_warn_threshold}): the inputs keep changing shape (or dtype), typically a "
+                f"{self.config.recompile_warn_threshold}; last reason: {reason or 'not recorded'}): the inputs keep "
+                "changing shape (or dtype), typically a "
                 "new sequence length per batch under dynamic padding; each new shape costs a compilation, and "
                 "past torch._dynamo.config.recompile_limit the model silently runs eagerly. Set dynamic: true, "
                 "or pad batches to a few length buckets",

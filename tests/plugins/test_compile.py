@@ -132,7 +132,7 @@ def test_checkpoint_has_no_orig_mod(tmp_path):
 
 def test_recompiles_counted_under_variable_lengths(tmp_path):
     lengths = (3, 5, 7, 9, 11, 13, 15, 17)
-    with pytest.warns(UserWarning, match="dynamic: true"):
+    with pytest.warns(UserWarning, match=r"last reason: .*size mismatch(.|\n)*dynamic: true"):
         engine = _fit(
             {"compile": {"backend": "aot_eager", "dynamic": False, "recompile_warn_threshold": 4}},
             tmp_path / "static",
