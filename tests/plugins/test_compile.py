@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 import torchloom
 from torchloom.testing import tiny_fit
 from torchloom_plugins.compile import Compile, compile_counters, compile_in_place
+from torchrun_util import torchrun
 
 TOL = 1e-6  # float32 parameters after a few SGD steps: compiled vs eager (aot_eager runs the same kernels)
 
@@ -177,3 +178,17 @@ def test_compile_in_place_keeps_the_module():
 def test_config_errors(settings, match):
     with pytest.raises(torchloom.ConfigError, match=match):
         Compile(**settings)
+
+
+@pytest.mark.multiprocess
+def test_compiled_matches_eager_on_two_processes_with_local_sgd(tmp_path):
+    """All six technique plugins under 2-process DDP (LocalSGD every 2 steps, GA 2, bf16, checkpointing,
+    clipping, AdamW), with and without compile: the same parameters on both ranks and as eager."""
+    ranks = torchrun("compile_fit.py", tmp_path)
+    for r in ranks:
+        assert r["world_size"] == 2 and r["compiled"]["global_step"] == r["eager"]["global_step"] == 4
+        assert r["eager"]["graphs"] == 0 and r["compiled"]["graphs"] > 0  # compiled inside DDP
+        assert r["compiled"]["recompiles"] and set(r["compiled"]["recompiles"]) == {0.0}
+        for got, want in zip(r["compiled"]["params"], r["eager"]["params"]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)
+    assert ranks[0]["compiled"]["params"] == ranks[1]["compiled"]["params"]  # LocalSGD averaged at step 4
