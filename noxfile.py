@@ -94,7 +94,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks: engine vs a hand-written Accelerate loop (ratios), and activation memory."""
+    """Benchmarks: engine vs a hand-written Accelerate loop (ratios), activation memory, compile speed."""
     install_torchloom(session, "test")
     for script in sorted(glob.glob("bench/*.py")):
         session.run("python", script, *session.posargs, env=OFFLINE)
