@@ -23,8 +23,9 @@ Method card
   backward: correct, but without DDP's communication / computation overlap.
 - **Visibility:** logs ``compile/recompiles`` (graphs compiled after the first optimizer step: new shapes,
   failed guards, the first validation in eval mode), ``compile/graph_breaks`` (since the start of the fit)
-  and ``compile/first_step_seconds`` (host wall time of the first optimizer step, compilation included;
-  compare with ``step_time`` of later steps). The counters are host-side Python integers of
+  and ``compile/first_step_seconds`` (host wall time from the first micro-batch to the end of the first
+  optimizer step, compilation included, without a device sync: on a GPU its last kernels may still run, which
+  the compilation dwarfs; compare with the steady-state step time). The counters are host-side Python integers of
   ``torch._dynamo.utils.counters``: reading them costs no device sync. Past ``recompile_warn_threshold``
   recompilations it warns once, with the fix: ``dynamic=True`` or padding to a few length buckets.
 - **Sources:** PyTorch docs "torch.compile" and "Dynamo recompilation / dynamic shapes"; Accelerate's
