@@ -93,7 +93,8 @@ def docs(session: nox.Session) -> None:
     tables (docs/gen_settings.py); a stale one fails the session.
     """
     install_torchloom(session)
-    session.install(*CONSTRAINTS, "mkdocs", "mkdocs-material", "mkdocstrings[python]")
+    # ruff lets mkdocstrings format the signatures in the API reference
+    session.install(*CONSTRAINTS, "mkdocs", "mkdocs-material", "mkdocstrings[python]", "ruff")
     session.run("python", "docs/gen_hooks.py", "--check")
     session.run("python", "docs/gen_settings.py", "--check")
     session.run("mkdocs", "build", "--strict", *session.posargs, env=OFFLINE)
