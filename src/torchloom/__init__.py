@@ -3,6 +3,7 @@
 The public API is exactly what this module exports; plugins (built-in or third-party) import nothing else.
 """
 
+from torchloom._hf_args import convert_hf_args
 from torchloom._inspect import inspect_path
 from torchloom._logging import request_stop
 from torchloom.checkpoint import delete_checkpoint, save_checkpoint
@@ -46,6 +47,7 @@ __all__ = [
     "TrainingInterrupted",
     "__version__",
     "build_config",
+    "convert_hf_args",
     "delete_checkpoint",
     "enable_plugins",
     "estimate_optimizer_memory",
