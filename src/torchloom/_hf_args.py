@@ -829,7 +829,7 @@ class _Converter:
                 "load_best_model_at_end",
                 load_best,
                 "the best checkpoint is kept (monitor, keep_best: 1) but not loaded at the end: the fit ends with the "
-                "last weights; load the best checkpoint's model to use it",
+                "last weights; use the best one with torchloom predict --ckpt_path CHECKPOINT",
             )
         settings["save_on_interrupt"] = on_signal
         if not on_signal:
