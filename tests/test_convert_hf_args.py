@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 import yaml
 from accelerate.state import PartialState
 from transformers import Trainer, TrainingArguments, get_scheduler
@@ -409,10 +410,18 @@ def test_transformers_4_field_names(tmp_path):
     values = json.loads(training_args(tmp_path, eval_strategy="steps", eval_steps=200).to_json_string())
     values["evaluation_strategy"] = values.pop("eval_strategy")
     values.update(warmup_steps=0, warmup_ratio=0.1, logging_dir="hf_out/runs/May01")
+    # Fields of another version: at their default there (not reported), set (reported), unknown (reported).
+    values.update(half_precision_backend="auto", fp16_opt_level="O2", my_own_flag=True, my_unset_flag=None)
     conversion = torchloom.convert_hf_args(saved(tmp_path, values))
     assert conversion.engine["val_check_interval"] == 200
     assert conversion.plugins["optimizer"]["warmup_ratio"] == 0.1
-    assert "run directory" in remarks(conversion.not_converted)["logging_dir"]
+    reasons = remarks(conversion.not_converted)
+    assert set(reasons) == {"use_cpu", "logging_dir", "fp16_opt_level", "my_own_flag"}
+    assert "run directory" in reasons["logging_dir"] and "apex" in reasons["fp16_opt_level"]
+    assert (
+        reasons["my_own_flag"]
+        == f"not a TrainingArguments field in transformers {transformers.__version__} (another version?)"
+    )
     settings_objects(conversion)
 
 
