@@ -59,7 +59,13 @@ PROJECTS = {
         "distributed.md",
     ],
 }
-RUN_PAGES = [page for pages in PROJECTS.values() for page in pages]
+#: Pages whose files and commands another test writes and runs (its own runner: the HF Trainer side runs in a
+#: subprocess and is compared with the torchloom side), page -> that test file.
+RUN_BY = {
+    "migrate-hf-trainer.md": "tests/test_migration_guides.py",
+    "migrate-lightning.md": "tests/test_migration_guides.py",
+}
+RUN_PAGES = [page for pages in PROJECTS.values() for page in pages] + list(RUN_BY)
 #: The guides: every ```python block on them runs (or is in NOT_RUN_PYTHON, with the reason).
 GUIDES = sorted(p.name for p in DOCS.glob("*.md") if p.name not in ("hooks.md", "loop.md"))
 #: The programs whose lines in the docs are commands that a test must run (or that NOT_RUN_COMMANDS exempts).
@@ -652,6 +658,11 @@ def _all_commands() -> dict[str, str]:
         for line, _, command, _ in _commands(page)
         if _strip_prompt_env(command.split("|")[0])[1][0] in COMMAND_PROGRAMS
     }
+
+
+def test_the_pages_run_by_other_tests_are_run_there():
+    for page, test in RUN_BY.items():
+        assert page in (ROOT / test).read_text(encoding="utf-8"), f"{test} does not run docs/{page}"
 
 
 def test_every_documented_command_runs_or_is_exempt_with_a_reason():
