@@ -5,6 +5,7 @@ The public API is exactly what this module exports; plugins (built-in or third-p
 
 from torchloom._inspect import inspect_path
 from torchloom._logging import request_stop
+from torchloom._memory_plan import estimate_memory
 from torchloom.checkpoint import delete_checkpoint, save_checkpoint
 from torchloom.config import EngineConfig
 from torchloom.data import DataModule
@@ -48,6 +49,7 @@ __all__ = [
     "build_config",
     "delete_checkpoint",
     "enable_plugins",
+    "estimate_memory",
     "estimate_optimizer_memory",
     "hookimpl",
     "hookspec",
