@@ -22,17 +22,17 @@ Method
   weights, gradients and optimizer state, as in every micro-batch of a gradient-accumulation window).
   What it counts: tensors saved for backward, temporaries alive at the peak, the recomputation of a checkpointed
   block during backward, the low-precision copies autocast makes of the weights, the loss. What it does not: the
-  batch itself, the weights, gradients and optimizer state (their own columns). The same counting, on real
-  tensors in a real training step, is ``bench/activation_memory.py``'s ``peak_bytes``.
+  batch itself, the weights, gradients and optimizer state (their own columns). It is the counting of
+  ``bench/activation_memory.py``'s ``peak_bytes``, with the gradients allocated before the step.
 
 The total is weights + gradients + optimizer state + activations.
 
 Limits (what the figures leave out)
 -----------------------------------
-- CUDA context and library workspaces (cuBLAS, cuDNN: typically 0.3-1 GiB per process), kernels' internal
-  scratch memory (not returned as tensors), the caching allocator's reserved-but-unused blocks and
-  fragmentation: leave headroom (``torch.cuda.max_memory_reserved`` is often 10-30 % above
-  ``max_memory_allocated``).
+- The CUDA context and library workspaces (cuBLAS, cuDNN; their size depends on the GPU, driver and
+  libraries), kernels' internal scratch memory (not returned as tensors), and the caching allocator's
+  reserved-but-unused blocks and fragmentation (``torch.cuda.max_memory_reserved`` minus
+  ``max_memory_allocated``): leave headroom.
 - Temporaries of the optimizer step (torch's ``foreach`` implementations allocate parameter-sized buffers
   during ``step``, after the activations are freed): with a small batch the step, not the backward, can be the
   peak.
@@ -270,10 +270,11 @@ def estimate_memory(
     an operation creates and frees; the optimizer state is `torchloom.estimate_optimizer_memory`; weights are
     counted by `accelerate.utils.calculate_maximum_sizes`. The method, what it counts and its limits (CUDA
     context, allocator caching and fragmentation, kernel workspaces, optimizer-step temporaries, CPU kernel
-    choice) are in ``docs/memory.md``. Tested tolerance: the activations are within 3 % of the same counting on
-    real tensors in a real torchloom training step on a CPU (GPT-2 and BERT, with and without the
-    ``grad_checkpoint`` plugin, fp32 and bf16), plus transformers' explicit attention mask
-    (``5 * batch_size * seq_len**2`` bytes) in the GPT-2 rows with checkpointing.
+    choice) are in ``docs/memory.md``. Stated tolerance, tested: the activations are within 1 % of the same
+    counting on real tensors in a real torchloom training step on a CPU (GPT-2 and BERT from configs, with and
+    without the ``grad_checkpoint`` plugin, fp32, bf16 and fp16; measured: 0.02-0.08 % low), except that for a
+    causal LM with checkpointing they may be up to ``5 * batch_size * seq_len**2`` bytes higher (the attention
+    mask transformers builds when it sees fake tensors; measured: +0.4 %).
 
     Args:
         model: what to estimate, one of:
@@ -388,7 +389,7 @@ def estimate_memory(
             fixed = weights + gradients + states[name]
             row = MemoryRow(name, checkpointed, weights, gradients, states[name], activations(batch_size, checkpointed))
             if budget_bytes is not None and effective_batch_size is not None:
-                at = functools.partial(lambda b, c: activations(b, c), c=checkpointed)
+                at = functools.partial(activations, checkpointed=checkpointed)
                 row = dataclasses.replace(
                     row,
                     suggestion=_suggest(fixed, budget_bytes, effective_batch_size, at),
@@ -592,6 +593,19 @@ def _check_loss(loss: Any, label: str) -> None:
         raise ConfigError(f"estimate_memory: the loss of {label} does not require grad (no trainable parameters?)")
 
 
+def _construct(build: Callable[[], Any], mode: Any) -> Any:
+    """Call ``build`` with ``meta`` as the default device (nothing allocated); if that fails (transformers'
+    ``from_pretrained`` refuses it), on fake tensors, where loaded weights are read into host memory once."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except TorchloomError:
+        raise
+    except Exception:
+        with mode:
+            return build()
+
+
 def _fake_copy(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake tensors (on the CPU for a ``meta`` model), tied
     parameters still tied; ``model`` itself is not changed and no data is copied."""
@@ -640,8 +654,7 @@ def _load(model: Any, architecture: str | None, forward: ForwardFn | None, mode:
     elif isinstance(model, torch.nn.Module):
         built = model
     elif callable(model):
-        with mode:
-            built = model()
+        built = _construct(model, mode)
         if not isinstance(built, torch.nn.Module):
             raise ConfigError(f"model: {model!r} returned {type(built).__name__}; expected a torch.nn.Module")
     else:
@@ -757,8 +770,7 @@ def _build_hf(config: Any, architecture: str | None, mode: Any) -> torch.nn.Modu
             f"architecture {name!r} takes a {config_class.__name__}, not the {type(config).__name__} given. {valid}"
         )
     try:
-        with mode:
-            return cls(config)
+        return _construct(lambda: cls(config), mode)
     except Exception as exc:
         raise ConfigError(
             f"estimate_memory: building {name} from its config failed: {type(exc).__name__}: {exc}"
@@ -836,8 +848,7 @@ def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, dict[str, A
         if cause is not None:
             raise cause from None
         raise ConfigError(f"run config {path!r}: task: {' '.join(str(exc).split())}") from None
-    with mode:
-        built = task.configure_model()
+    built = _construct(task.configure_model, mode)
     if not isinstance(built, torch.nn.Module):
         raise ConfigError(
             f"run config {path!r}: {type(task).__name__}.configure_model returned {type(built).__name__}; "
