@@ -48,6 +48,7 @@ PROJECTS = {
     "readme": ["../README.md"],
     "quickstart": ["quickstart.md"],
     "data": ["data.md"],
+    "memory": ["memory.md"],
     "guides": [
         "user-guide.md",
         "index.md",
@@ -80,6 +81,10 @@ _INSTALL = (
 )
 _EXAMPLE = "needs the example's data (fetched with apt-get) and minutes of CPU"
 NOT_RUN_COMMANDS: dict[str, str] = {
+    # docs/memory.md
+    "torchloom estimate-memory examples/fine_foods.yaml --batch_size 16 --seq_len 64 --budget 1GiB "
+    "--effective_batch_size 256": "needs the repository's example config and the MiniLM weights of the example's "
+    "package; tests/test_estimate_memory.py estimates from a run config of its own",
     # README.md
     "python3 -m pip install nox && python3 -m nox -s demo": "the main job: a fresh install, then a 2-minute fine-tune",
     "python3 -m pip install nox && python3 -m nox -s tests docs": "the whole test suite and the site: what CI runs",

@@ -36,6 +36,7 @@ _EXPORTS = {
     "convert_hf_args": "torchloom._hf_args",
     "delete_checkpoint": "torchloom.checkpoint",
     "enable_plugins": "torchloom.plugins",
+    "estimate_memory": "torchloom._memory_plan",
     "estimate_optimizer_memory": "torchloom.memory",
     "hookimpl": "torchloom.hookspecs",
     "hookspec": "torchloom.hookspecs",
@@ -68,6 +69,7 @@ __all__ = [
     "convert_hf_args",
     "delete_checkpoint",
     "enable_plugins",
+    "estimate_memory",
     "estimate_optimizer_memory",
     "hookimpl",
     "hookspec",
@@ -97,6 +99,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
     from torchloom._logging import request_stop
+    from torchloom._memory_plan import estimate_memory
     from torchloom.checkpoint import delete_checkpoint, save_checkpoint
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule

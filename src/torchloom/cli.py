@@ -1,4 +1,4 @@
-"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``inspect`` and ``plugins``.
+"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``inspect``, ``plugins`` and ``estimate-memory``.
 
 Configs are parsed with jsonargparse (as LightningCLI does)::
 
@@ -8,6 +8,7 @@ Configs are parsed with jsonargparse (as LightningCLI does)::
     torchloom predict --config run.yaml --ckpt_path PATH                 # with a checkpoint's or export's weights
     torchloom inspect PATH [--json]                                      # a checkpoint, run directory or export
     torchloom convert-hf-args args.json [-o run.yaml]                    # HF TrainingArguments -> engine + plugins
+    torchloom estimate-memory MODEL [--budget 8GiB] [--optimizer adamw,adafactor] [--json]  # training memory
 
 A config has four sections: ``engine`` (`EngineConfig` fields), ``task`` (``class_path`` of a `TaskModule`
 subclass + ``init_args``), ``data`` (same for a `DataModule`, optional) and ``plugins``
@@ -78,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect_command(cfg.inspect)
         if cfg.subcommand == "convert-hf-args":
             return _convert_hf_args_command(cfg["convert-hf-args"])
+        if cfg.subcommand == "estimate-memory":
+            return _estimate_memory_command(cfg["estimate-memory"])
         return _plugins_command(parser, cfg.plugins)
     except TrainingInterrupted as exc:  # a checkpoint was saved: the status tells a scheduler to requeue
         print(f"torchloom: {exc}", file=sys.stderr)
@@ -148,7 +151,58 @@ def _build_parser(run_commands: bool = True) -> tuple[Any, dict[str, Any]]:
     convert.add_argument("file", type=str, help="a JSON file written by TrainingArguments.to_json_string()")
     convert.add_argument("-o", "--output", type=str | None, default=None, help="write the YAML here, not to stdout")
     subcommands.add_subcommand("convert-hf-args", convert, help="convert HF TrainingArguments JSON to a run config")
+    subcommands.add_subcommand("estimate-memory", _estimate_memory_parser(), help="estimate training memory")
     return parser, run_parsers
+
+
+def _estimate_memory_parser() -> Any:
+    from jsonargparse import ArgumentParser
+
+    sub = ArgumentParser(
+        description="Estimate the memory of training MODEL: weights, gradients, optimizer state and activations, "
+        "for each optimizer, without and with activation checkpointing (torchloom.estimate_memory; see "
+        "docs/memory.md for the method and its limits)"
+    )
+    sub.add_argument(
+        "model",
+        type=str,
+        help="a local Hugging Face model directory, a transformers config .json or a run config .yaml",
+    )
+    sub.add_argument("--batch_size", type=int, default=8, help="micro-batch size (samples per forward)")
+    sub.add_argument(
+        "--seq_len", type=int | None, default=None, help="tokens per sample (default: the model's maximum)"
+    )
+    sub.add_argument("--precision", type=str, default="fp32", help="fp32, bf16 or fp16 (mixed, fp32 master weights)")
+    sub.add_argument(
+        "--optimizer", type=str | None, default=None, help="comma-separated optimizer names, e.g. adamw,adafactor"
+    )
+    sub.add_argument("--grad_checkpoint", type=bool, default=True, help="also estimate with activation checkpointing")
+    sub.add_argument(
+        "--budget",
+        type=str | None,
+        default=None,
+        help="memory per process, e.g. 8GiB: suggest micro-batch x accumulation",
+    )
+    sub.add_argument(
+        "--effective_batch_size",
+        type=int | None,
+        default=None,
+        help="samples per optimizer step (default: --batch_size)",
+    )
+    sub.add_argument(
+        "--architecture",
+        type=str | None,
+        default=None,
+        help="the transformers class to build, e.g. BertForSequenceClassification",
+    )
+    sub.add_argument(
+        "--fused_attention",
+        type=bool,
+        default=True,
+        help="attention keeps no seq_len^2 matrix (as CUDA's fused kernels)",
+    )
+    sub.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return sub
 
 
 def _take_cli_options(argv: list[str], start: int) -> tuple[list[str], list[tuple[str, Any]], dict[str, Any] | None]:
@@ -551,6 +605,27 @@ def _convert_hf_args_command(cfg: Any) -> int:
                 print(f"  {title}: {remark.line()}", file=sys.stderr)
     if problem is not None:
         print(f"torchloom convert-hf-args: warning: the config does not load here: {problem}", file=sys.stderr)
+    return 0
+
+
+def _estimate_memory_command(cfg: Any) -> int:
+    """``torchloom estimate-memory MODEL ...``: `torchloom.estimate_memory` as a table or one JSON object."""
+    if cfg.model.endswith((".yaml", ".yml")):  # the task's module may sit next to its run config
+        _put_config_dir_on_path(["--config", cfg.model])
+    optimizers = None if cfg.optimizer is None else [n.strip() for n in cfg.optimizer.split(",")]
+    estimate = torchloom.estimate_memory(
+        cfg.model,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        precision=cfg.precision,
+        optimizers=optimizers,
+        grad_checkpoint=cfg.grad_checkpoint,
+        budget=cfg.budget,
+        effective_batch_size=cfg.effective_batch_size,
+        architecture=cfg.architecture,
+        fused_attention=cfg.fused_attention,
+    )
+    print(json.dumps(estimate.to_dict(), indent=2) if cfg.json else estimate.table())
     return 0
 
 

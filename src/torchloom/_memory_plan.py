@@ -1,0 +1,883 @@
+"""Training memory of a model before training: weights, gradients, optimizer state and activations
+(`estimate_memory`, and the ``torchloom estimate-memory`` command).
+
+Method
+------
+- **Weights:** the bytes of every parameter and buffer (tied parameters once), as
+  `accelerate.utils.calculate_maximum_sizes` counts them. Parameters are float32: with ``bf16`` / ``fp16`` the
+  ``mixed_precision`` plugin (``Accelerator(mixed_precision=...)``) keeps float32 master weights and computes in
+  the low-precision type under `torch.autocast`.
+- **Gradients:** one float32 gradient per trainable parameter (``requires_grad=True``), the parameter's size.
+- **Optimizer state:** `torchloom.estimate_optimizer_memory`, unchanged: the plugin that builds the optimizer
+  answers, and its answer equals the state it logs after the first step.
+- **Activations:** measured, not modelled: one forward and backward of the model runs on fake tensors
+  (`torch._subclasses.fake_tensor.FakeTensorMode`: tensors with shapes, dtypes and storages of the right size
+  but no data, so nothing is allocated and any model that runs in PyTorch can be traced) and a
+  `torch.utils._python_dispatch.TorchDispatchMode` adds the ``nbytes`` of every new storage an operation returns
+  and subtracts it when the storage is freed; the activation figure is the peak of that sum. The forward runs as
+  the training step runs it: under ``torch.autocast("cpu", dtype)`` with float32 outputs
+  (`accelerate.utils.convert_outputs_to_fp32`) for mixed precision, with the ``grad_checkpoint`` plugin applied
+  (through its ``configure_model`` hook, as at run set-up) for the checkpointed rows, in training mode (dropout
+  masks count), with the gradients already allocated (so the figure is what a micro-batch adds on top of
+  weights, gradients and optimizer state, as in every micro-batch of a gradient-accumulation window).
+  What it counts: tensors saved for backward, temporaries alive at the peak, the recomputation of a checkpointed
+  block during backward, the low-precision copies autocast makes of the weights, the loss. What it does not: the
+  batch itself, the weights, gradients and optimizer state (their own columns). It is the counting of
+  ``bench/activation_memory.py``'s ``peak_bytes``, with the gradients allocated before the step.
+
+The total is weights + gradients + optimizer state + activations.
+
+Limits (what the figures leave out)
+-----------------------------------
+- The CUDA context and library workspaces (cuBLAS, cuDNN; their size depends on the GPU, driver and
+  libraries), kernels' internal scratch memory (not returned as tensors), and the caching allocator's
+  reserved-but-unused blocks and fragmentation (``torch.cuda.max_memory_reserved`` minus
+  ``max_memory_allocated``): leave headroom.
+- Temporaries of the optimizer step (torch's ``foreach`` implementations allocate parameter-sized buffers
+  during ``step``, after the activations are freed): with a small batch the step, not the backward, can be the
+  peak.
+- Kernel choice: the trace runs the CPU's kernels. ``fused_attention=True`` (the default) runs
+  ``scaled_dot_product_attention`` without dropout, so the CPU's fused kernel is used, which like CUDA's flash /
+  memory-efficient kernels keeps no ``seq_len x seq_len`` attention matrix; with ``fused_attention=False`` the
+  attention runs as the CPU runs it (with dropout: the math path, which keeps the attention probabilities and
+  the dropout mask). Other CUDA-only kernels (fused optimizers, fp8) are not modelled.
+- transformers builds an explicit ``batch x 1 x seq_len x seq_len`` attention mask (bool and float: 5 bytes
+  per element) when it sees fake tensors and no KV cache, where a real batch without padding needs none: the
+  estimate can be high by up to that (measured: the checkpointed GPT-2 rows of the tests).
+- One process: data parallelism holds a full copy per process; tensor, pipeline or ZeRO sharding is not
+  modelled. The micro-batch suggestion is per process.
+- A task whose ``configure_model`` loads pretrained weights (``from_pretrained``) reads them into host memory
+  once; point the estimate at the model directory instead to read only its config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import difflib
+import functools
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from torchloom.errors import ConfigError, TorchloomError
+from torchloom.memory import _installed_estimators, estimate_optimizer_memory
+from torchloom.plugins import HookRelay, enable_plugins
+
+__all__ = ["MemoryEstimate", "MemoryRow", "Suggestion", "estimate_memory", "parse_bytes"]
+
+#: ``precision`` -> the autocast dtype (``None``: float32 throughout). ``"no"`` is the mixed_precision plugin's name.
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The plugin whose ``configure_model`` enables activation checkpointing in the checkpointed rows.
+CHECKPOINT_PLUGIN = "grad_checkpoint"
+
+ForwardFn = Callable[[torch.nn.Module, int, "int | None"], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """The largest micro-batch size that fits the budget, with the accumulation that reaches the effective batch.
+
+    Attributes:
+        micro_batch_size (`int`): samples per forward / backward, a divisor of the effective batch size.
+        gradient_accumulation_steps (`int`): ``effective_batch_size // micro_batch_size``.
+        total (`int`): bytes at that micro-batch size (weights + gradients + optimizer state + activations).
+        next_total (`int`, *optional*): bytes at the next larger divisor, which does not fit; ``None`` when the
+            micro-batch is already the whole effective batch.
+    """
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    total: int
+    next_total: int | None
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """One optimizer and checkpointing setting. Every size is in bytes.
+
+    Attributes:
+        optimizer (`str`): the optimizer name.
+        grad_checkpoint (`bool`): whether the ``grad_checkpoint`` plugin is applied.
+        weights (`int`): parameters and buffers.
+        gradients (`int`): one gradient per trainable parameter.
+        optimizer_state (`int`): `torchloom.estimate_optimizer_memory` for ``optimizer``.
+        activations (`int`): the peak of tensors one micro-batch's forward and backward add (see the module
+            docstring).
+        suggestion (`Suggestion`, *optional*): only with a budget; ``None`` when not even a micro-batch of 1 fits.
+        micro_batch_1_total (`int`, *optional*): only with a budget: the total at micro-batch size 1.
+    """
+
+    optimizer: str
+    grad_checkpoint: bool
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    suggestion: Suggestion | None = None
+    micro_batch_1_total: int | None = None
+
+    @property
+    def total(self) -> int:
+        """Weights + gradients + optimizer state + activations, in bytes."""
+        return self.weights + self.gradients + self.optimizer_state + self.activations
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What `estimate_memory` found: the settings it estimated and one `MemoryRow` per optimizer and setting.
+
+    Attributes:
+        model (`str`): the model's class name.
+        parameters (`int`): parameter count (tied parameters once).
+        trainable_parameters (`int`): of which ``requires_grad=True``.
+        batch_size (`int`): the micro-batch size the rows are for.
+        seq_len (`int`, *optional*): tokens per sample (``None`` for a ``forward`` that takes none).
+        precision (`str`): ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+        fused_attention (`bool`): see `estimate_memory`.
+        budget (`int`, *optional*): bytes the suggestions fit in.
+        effective_batch_size (`int`, *optional*): samples per optimizer step the suggestions reach.
+        rows (`tuple[MemoryRow, ...]`): for each optimizer, without and (if asked) with checkpointing.
+    """
+
+    model: str
+    parameters: int
+    trainable_parameters: int
+    batch_size: int
+    seq_len: int | None
+    precision: str
+    fused_attention: bool
+    budget: int | None
+    effective_batch_size: int | None
+    rows: tuple[MemoryRow, ...]
+
+    def row(self, optimizer: str, grad_checkpoint: bool = False) -> MemoryRow:
+        """The row of ``optimizer`` with or without checkpointing.
+
+        Raises:
+            KeyError: no such row.
+        """
+        for r in self.rows:
+            if r.optimizer == optimizer and r.grad_checkpoint == grad_checkpoint:
+                return r
+        raise KeyError((optimizer, grad_checkpoint))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as plain JSON types (sizes in bytes; each row with its ``total``)."""
+        out = dataclasses.asdict(self)
+        out["rows"] = [{**dataclasses.asdict(r), "total": r.total} for r in self.rows]
+        return out
+
+    def table(self) -> str:
+        """The rows side by side as text: one line per optimizer and setting, sizes in binary units."""
+        tokens = f" x {self.seq_len} tokens" if self.seq_len is not None else ""
+        mixed = " (fp32 master weights)" if self.precision != "fp32" else ""
+        lines = [
+            f"{self.model}: {self.parameters:,} parameters ({self.trainable_parameters:,} trainable); "
+            f"micro-batch {self.batch_size}{tokens}; precision {self.precision}{mixed}"
+        ]
+        header = ["optimizer", "checkpointing", "weights", "gradients", "optimizer state", "activations", "total"]
+        if self.budget is not None:
+            header.append(f"fits {format_bytes(self.budget)}: micro-batch x accumulation")
+        body = []
+        for r in self.rows:
+            cells = [r.optimizer, "on" if r.grad_checkpoint else "off"]
+            cells += [format_bytes(v) for v in (r.weights, r.gradients, r.optimizer_state, r.activations, r.total)]
+            if self.budget is not None:
+                cells.append(_suggestion_cell(r))
+            body.append(cells)
+        widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+        for line in [header, *body]:
+            cells = [c.ljust(w) if i < 2 or i == 7 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+            lines.append("  ".join(cells).rstrip())
+        if self.budget is not None:
+            lines.append(
+                f"effective batch size {self.effective_batch_size} = micro-batch x gradient_accumulation_steps"
+            )
+        return "\n".join(lines)
+
+
+def _suggestion_cell(row: MemoryRow) -> str:
+    s = row.suggestion
+    if s is None:
+        return f"none (micro-batch 1 needs {format_bytes(row.micro_batch_1_total or 0)})"
+    return f"{s.micro_batch_size} x {s.gradient_accumulation_steps} ({format_bytes(s.total)})"
+
+
+def format_bytes(size: int) -> str:
+    """``1.50 GiB``, ``12.3 MiB``, ``512 B``: three significant digits in binary units."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size} B"
+
+
+def parse_bytes(size: int | str, what: str = "budget") -> int:
+    """Read a size: an int (bytes), a string of digits, or a number with a unit as
+    `accelerate.utils.convert_file_size_to_int` reads it (``KiB``, ``MiB``, ``GiB``: powers of 2; ``kB``, ``MB``,
+    ``GB``: powers of 10), e.g. ``"8GiB"``, ``"1.5GB"``.
+
+    Raises:
+        ConfigError: not a size, or not > 0.
+    """
+    from accelerate.utils import convert_file_size_to_int
+
+    valid = "bytes (an integer) or a number with a unit: KiB, MiB, GiB (powers of 2) or kB, MB, GB, e.g. 8GiB"
+    if isinstance(size, bool) or not isinstance(size, int | str):
+        raise ConfigError(f"{what} {size!r} is not a size; expected {valid}")
+    text = size.strip() if isinstance(size, str) else size
+    try:
+        value = int(text) if isinstance(text, str) and text.isdigit() else convert_file_size_to_int(text)
+    except (ValueError, AttributeError):
+        raise ConfigError(f"{what} {size!r} is not a size; expected {valid}") from None
+    if value <= 0:
+        raise ConfigError(f"{what} {size!r} is not a size > 0; expected {valid}")
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------------- the API
+
+
+def estimate_memory(
+    model: Any,
+    *,
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    precision: str = "fp32",
+    optimizers: str | Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
+    grad_checkpoint: bool | Mapping[str, Any] = True,
+    budget: int | str | None = None,
+    effective_batch_size: int | None = None,
+    architecture: str | None = None,
+    forward: ForwardFn | None = None,
+    fused_attention: bool = True,
+) -> MemoryEstimate:
+    """Estimate the memory one training process needs: weights, gradients, optimizer state and activations.
+
+    Nothing is trained and nothing is allocated: the activations come from one forward and backward on fake
+    tensors (`torch._subclasses.fake_tensor.FakeTensorMode`), counted by a dispatch mode that tracks every storage
+    an operation creates and frees; the optimizer state is `torchloom.estimate_optimizer_memory`; weights are
+    counted by `accelerate.utils.calculate_maximum_sizes`. The method, what it counts and its limits (CUDA
+    context, allocator caching and fragmentation, kernel workspaces, optimizer-step temporaries, CPU kernel
+    choice) are in ``docs/memory.md``. Stated tolerance, tested: the activations are within 1 % of the same
+    counting on real tensors in a real torchloom training step on a CPU (GPT-2 and BERT from configs, with and
+    without the ``grad_checkpoint`` plugin, fp32, bf16 and fp16; measured: 0.02-0.08 % low), except that for a
+    causal LM with checkpointing they may be up to ``5 * batch_size * seq_len**2`` bytes higher (the attention
+    mask transformers builds when it sees fake tensors; measured: +0.4 %).
+
+    Args:
+        model: what to estimate, one of:
+            a local Hugging Face model directory (its ``config.json`` is read; no weights);
+            a transformers config file (``.json``) or `transformers.PretrainedConfig`;
+            a torchloom run config (``.yaml`` / ``.yml``): its ``task`` (``class_path`` + ``init_args``) is
+            built and its ``configure_model`` called on fake tensors, and the settings of its ``grad_checkpoint``
+            plugin, if it enables one, are used for the checkpointed rows;
+            a `torch.nn.Module` (any device, ``meta`` too; it is copied as fake tensors, never changed);
+            or a callable that returns a `torch.nn.Module` (called on fake tensors).
+        batch_size (`int`, defaults to 8): the micro-batch size (samples per forward), >= 1.
+        seq_len (`int`, *optional*): tokens per sample; defaults to the model's ``max_position_embeddings``.
+            Must not exceed it.
+        precision (`str`, defaults to ``"fp32"``): ``"fp32"`` (or ``"no"``), ``"bf16"`` or ``"fp16"``: mixed
+            precision as the ``mixed_precision`` plugin trains (float32 weights, gradients and optimizer state;
+            forward under autocast).
+        optimizers: optimizer names an installed plugin estimates (`torchloom.estimate_optimizer_memory`), as one
+            name, a sequence, or a mapping ``{name: settings}`` (the plugin's settings); ``None``: the default
+            optimizer of the one plugin that estimates.
+        grad_checkpoint (`bool` or `Mapping`, defaults to True): also estimate with activation checkpointing:
+            ``True`` applies the ``grad_checkpoint`` plugin with the run config's settings or its defaults
+            (``modules: hf``: every layer of a transformers model), a mapping gives the plugin's settings
+            (e.g. ``{"modules": ["Block"]}``); ``False``: rows without checkpointing only.
+        budget (`int` or `str`, *optional*): memory per process, in bytes or as ``"8GiB"`` / ``"16GB"``: each row
+            then suggests the largest micro-batch size that fits and the gradient_accumulation_steps that reach
+            ``effective_batch_size``.
+        effective_batch_size (`int`, *optional*): samples per optimizer step (per process) that the suggestion
+            must reach; defaults to ``batch_size``. Suggested micro-batch sizes divide it.
+        architecture (`str`, *optional*): the transformers class to build from a config (e.g.
+            ``"BertForSequenceClassification"``); defaults to the config's ``architectures[0]``, else its causal LM,
+            masked LM or base model class.
+        forward (`Callable[[torch.nn.Module, int, int | None], torch.Tensor]`, *optional*): runs one micro-batch
+            and returns the scalar loss: ``forward(model, batch_size, seq_len)``, building its inputs with torch
+            functions (they run on fake tensors, and count as activations). Needed for a model that is not a
+            transformers model; a transformers model gets ``input_ids`` of ``batch_size x seq_len`` and the labels
+            its head takes (causal / masked / seq2seq LM and token classification: ``batch_size x seq_len``;
+            sequence classification: ``batch_size``), and without a known head the loss is the sum of its first
+            output.
+        fused_attention (`bool`, defaults to True): run `torch.nn.functional.scaled_dot_product_attention` with
+            ``dropout_p=0`` so that the CPU's fused kernel keeps no attention matrix, as CUDA's flash and
+            memory-efficient kernels do; False: as the CPU runs it.
+
+    Returns:
+        `MemoryEstimate`: sizes in bytes, one `MemoryRow` per optimizer without and with checkpointing;
+        ``.table()`` prints them side by side.
+
+    Raises:
+        ConfigError: a path that does not exist or is no model, config or run config; a bad ``batch_size``,
+            ``seq_len``, ``precision``, ``budget``, ``effective_batch_size`` or ``architecture``; an unknown
+            optimizer (the message suggests the closest name); a model without ``forward`` that is not a
+            transformers model; a model whose forward and backward fail on fake tensors.
+        PluginError: the ``grad_checkpoint`` plugin (or the optimizer's plugin) is not installed or fails.
+
+    Example:
+
+    .. code-block:: python
+
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256)
+        >>> est = torchloom.estimate_memory(config, batch_size=4, seq_len=256, budget="64MiB", effective_batch_size=32)
+        >>> print(est.table())
+    """
+    batch_size = _positive_int(batch_size, "batch_size")
+    if seq_len is not None:
+        seq_len = _positive_int(seq_len, "seq_len")
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"precision {precision!r} is not estimated; valid: fp32 (or 'no'), bf16, fp16 (mixed precision with "
+            "float32 master weights)"
+        )
+    autocast_dtype = PRECISIONS[precision]
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    if effective_batch_size is not None:
+        effective_batch_size = _positive_int(effective_batch_size, "effective_batch_size")
+    if budget_bytes is not None and effective_batch_size is None:
+        effective_batch_size = batch_size
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    source = _load(model, architecture, forward, mode)
+    checkpoint = _checkpoint_settings(grad_checkpoint, source.checkpoint_settings)
+    if source.max_len is not None:
+        if seq_len is None:
+            seq_len = source.max_len
+        elif seq_len > source.max_len:
+            raise ConfigError(
+                f"seq_len {seq_len} is longer than {source.label} takes (max_position_embeddings = {source.max_len})"
+            )
+    if source.needs_seq_len and seq_len is None:
+        raise ConfigError(f"seq_len: {source.label} has no max_position_embeddings; give seq_len")
+    names = _optimizer_names(optimizers, source.prototype)
+
+    weights = _weight_bytes(source.prototype)
+    trainable = [p for p in source.prototype.parameters() if p.requires_grad]
+    gradients = sum(p.numel() * p.element_size() for p in trainable)
+    states = {name: estimate_optimizer_memory(source.prototype, name, **settings) for name, settings in names}
+
+    cache: dict[tuple[int, bool], int] = {}
+
+    def activations(micro_batch: int, checkpointed: bool) -> int:
+        key = (micro_batch, checkpointed)
+        if key not in cache:
+            cache[key] = _trace(
+                source, mode, micro_batch, seq_len, autocast_dtype, checkpoint if checkpointed else None,
+                fused_attention,
+            )  # fmt: skip
+        return cache[key]
+
+    rows = []
+    for name, _ in names:
+        for checkpointed in [False, True] if checkpoint is not None else [False]:
+            fixed = weights + gradients + states[name]
+            row = MemoryRow(name, checkpointed, weights, gradients, states[name], activations(batch_size, checkpointed))
+            if budget_bytes is not None and effective_batch_size is not None:
+                at = functools.partial(activations, checkpointed=checkpointed)
+                row = dataclasses.replace(
+                    row,
+                    suggestion=_suggest(fixed, budget_bytes, effective_batch_size, at),
+                    micro_batch_1_total=fixed + at(1),
+                )
+            rows.append(row)
+    return MemoryEstimate(
+        model=source.label,
+        parameters=sum(p.numel() for p in source.prototype.parameters()),
+        trainable_parameters=sum(p.numel() for p in trainable),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision="fp32" if autocast_dtype is None else precision,
+        fused_attention=fused_attention,
+        budget=budget_bytes,
+        effective_batch_size=effective_batch_size,
+        rows=tuple(rows),
+    )
+
+
+def _suggest(fixed: int, budget: int, effective: int, activations: Callable[[int], int]) -> Suggestion | None:
+    """Binary search over the divisors of ``effective`` (memory grows with the micro-batch size)."""
+    divisors = [d for d in range(1, effective + 1) if effective % d == 0]
+    lo, hi = 0, len(divisors) - 1
+    if fixed + activations(divisors[0]) > budget:
+        return None
+    while lo < hi:  # divisors[lo] fits; find the last one that does
+        mid = (lo + hi + 1) // 2
+        if fixed + activations(divisors[mid]) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    best = divisors[lo]
+    following = divisors[lo + 1] if lo + 1 < len(divisors) else None
+    return Suggestion(
+        micro_batch_size=best,
+        gradient_accumulation_steps=effective // best,
+        total=fixed + activations(best),
+        next_total=None if following is None else fixed + activations(following),
+    )
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} = {value!r}; expected an integer >= 1")
+    return value
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    from accelerate.utils import calculate_maximum_sizes
+
+    return int(calculate_maximum_sizes(model)[0])
+
+
+def _optimizer_names(
+    optimizers: str | Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None, model: torch.nn.Module
+) -> list[tuple[str, dict[str, Any]]]:
+    if optimizers is None:
+        candidates, _ = _installed_estimators()
+        if len(candidates) != 1:
+            estimate_optimizer_memory(model)  # raises the ConfigError that says why there is no default
+        return [(candidates[0][1][0], {})]
+    if isinstance(optimizers, str):
+        optimizers = [optimizers]
+    if isinstance(optimizers, Mapping):
+        items = [(str(k), dict(v or {})) for k, v in optimizers.items()]
+    else:
+        items = [(n, {}) for n in optimizers]
+    if not items or any(not isinstance(n, str) or not n for n, _ in items):
+        raise ConfigError(f"optimizers = {optimizers!r}; expected optimizer names, e.g. the optimizer plugin's")
+    return list(dict(items).items())
+
+
+def _checkpoint_settings(grad_checkpoint: Any, from_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    if grad_checkpoint is False:
+        return None
+    if grad_checkpoint is True:
+        return dict(from_config or {})
+    if isinstance(grad_checkpoint, Mapping):
+        return dict(grad_checkpoint)
+    raise ConfigError(
+        f"grad_checkpoint = {grad_checkpoint!r}; expected True, False or the {CHECKPOINT_PLUGIN} plugin's "
+        "settings (e.g. {'modules': ['Block']})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the trace
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of storages created by operations while active and not yet freed, and their peak.
+
+    Each storage counts once, from the operation that returns it to its deallocation (a `weakref.finalize` on
+    the storage, which PyTorch keeps as one Python object for the storage's life). Storages in ``skip``
+    (weights, gradients, the batch) are not counted.
+    """
+
+    def __init__(self, skip: set[int]) -> None:
+        super().__init__()
+        self.skip, self.live, self.peak = skip, 0, 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key, nbytes = storage._cdata, storage.nbytes()
+                if nbytes and key not in self.skip and key not in self.seen:
+                    self.seen.add(key)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, nbytes)
+        return out
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+
+@contextlib.contextmanager
+def _fused_attention() -> Iterator[None]:
+    """Run `torch.nn.functional.scaled_dot_product_attention` with ``dropout_p=0`` while active: the CPU then picks
+    its fused (flash) kernel, which keeps for backward what CUDA's fused kernels keep (output and logsumexp, no
+    attention matrix; CUDA's kernels apply dropout inside the kernel and store no mask).
+
+    The function is replaced on its module for the duration (and restored), because the recomputation of a
+    checkpointed block runs inside backward, where no torch function mode is active; code that calls it through
+    ``torch.nn.functional`` (as transformers does) is affected, code holding its own reference is not.
+    """
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def without_dropout(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        else:
+            kwargs["dropout_p"] = 0.0
+        return original(*args, **kwargs)
+
+    functional.scaled_dot_product_attention = without_dropout
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
+
+
+def _storage_keys(tensors: Iterable[Any]) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def _trace(
+    source: _Source,
+    mode: Any,
+    batch_size: int,
+    seq_len: int | None,
+    autocast_dtype: torch.dtype | None,
+    checkpoint: dict[str, Any] | None,
+    fused_attention: bool,
+) -> int:
+    """Peak activation bytes of one forward + backward of a fresh fake copy of the model (see the module docstring)."""
+    with mode:
+        model = _fake_copy(source.prototype, mode)
+        if checkpoint is not None:
+            HookRelay(enable_plugins({CHECKPOINT_PLUGIN: checkpoint})).call(
+                "configure_model", model=model, task=None, accelerator=None
+            )
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # allocated before the micro-batch, as in a gradient-accumulation window
+            p.grad = torch.zeros_like(p)
+        batch = source.make_batch(model, batch_size, seq_len) if source.make_batch is not None else None
+        if autocast_dtype is not None:  # as accelerate.Accelerator.prepare_model wraps the forward
+            from accelerate.utils import convert_outputs_to_fp32
+
+            model.forward = convert_outputs_to_fp32(torch.autocast("cpu", dtype=autocast_dtype)(model.forward))
+        skip = _storage_keys([*model.parameters(), *model.buffers(), *(p.grad for p in params)])
+        skip |= _storage_keys(tree_flatten(batch)[0])
+        live = _LiveBytes(skip)
+        attention = _fused_attention() if fused_attention else contextlib.nullcontext()
+        try:
+            with live, attention:
+                loss = source.loss(model, batch, batch_size, seq_len)
+                _check_loss(loss, source.label)
+                loss.backward()
+        except TorchloomError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"estimate_memory: the forward and backward of {source.label} (micro-batch {batch_size}, seq_len "
+                f"{seq_len}) failed on fake tensors: {type(exc).__name__}: {exc}"
+            ) from exc
+        return live.peak
+
+
+def _check_loss(loss: Any, label: str) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ConfigError(f"estimate_memory: the forward of {label} returned {what}; expected a scalar loss tensor")
+    if not loss.requires_grad:
+        raise ConfigError(f"estimate_memory: the loss of {label} does not require grad (no trainable parameters?)")
+
+
+def _construct(build: Callable[[], Any], mode: Any) -> Any:
+    """Call ``build`` with ``meta`` as the default device (nothing allocated); if that fails (transformers'
+    ``from_pretrained`` refuses it), on fake tensors, where loaded weights are read into host memory once."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except TorchloomError:
+        raise
+    except Exception:
+        with mode:
+            return build()
+
+
+def _fake_copy(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors (on the CPU for a ``meta`` model), tied
+    parameters still tied; ``model`` itself is not changed and no data is copied."""
+    memo: dict[int, Any] = {}
+    with mode:
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        for _, t in named:
+            if id(t) in memo:
+                continue
+            data = torch.empty_like(t, device="cpu" if t.device.type == "meta" else t.device)
+            memo[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+        return copy.deepcopy(model, memo)
+
+
+# -------------------------------------------------------------------------------------------- model sources
+
+
+@dataclass
+class _Source:
+    """A fake prototype of the model and how to run one micro-batch of it."""
+
+    label: str
+    prototype: torch.nn.Module
+    loss: Callable[[torch.nn.Module, Any, int, int | None], torch.Tensor]
+    make_batch: Callable[[torch.nn.Module, int, int | None], Any] | None = None
+    max_len: int | None = None
+    needs_seq_len: bool = False
+    checkpoint_settings: dict[str, Any] | None = None
+
+
+def _load(model: Any, architecture: str | None, forward: ForwardFn | None, mode: Any) -> _Source:
+    checkpoint_settings = None
+    if isinstance(model, str | os.PathLike):
+        path = os.fspath(model)
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"model {path!r} does not exist; expected a local Hugging Face model directory (with config.json), "
+                "a transformers config (.json) or a torchloom run config (.yaml)"
+            )
+        if path.endswith((".yaml", ".yml")) and os.path.isfile(path):
+            built, checkpoint_settings = _from_run_config(path, mode)
+        else:
+            built = _build_hf(_read_hf_config(path), architecture, mode)
+    elif _is_hf_config(model):
+        built = _build_hf(model, architecture, mode)
+    elif isinstance(model, torch.nn.Module):
+        built = model
+    elif callable(model):
+        built = _construct(model, mode)
+        if not isinstance(built, torch.nn.Module):
+            raise ConfigError(f"model: {model!r} returned {type(built).__name__}; expected a torch.nn.Module")
+    else:
+        raise ConfigError(
+            f"model = {model!r}; expected a path (model directory, config .json, run config .yaml), a transformers "
+            "config, a torch.nn.Module or a callable that returns one"
+        )
+    prototype = _fake_copy(built, mode)
+    label = type(built).__name__
+    if forward is not None:
+        if not callable(forward):
+            raise ConfigError(f"forward = {forward!r}; expected a callable (model, batch_size, seq_len) -> loss")
+        return _Source(
+            label, prototype, lambda m, _batch, b, s: forward(m, b, s), checkpoint_settings=checkpoint_settings
+        )
+    config = getattr(prototype, "config", None)
+    if not _is_hf_model(prototype) or not _is_hf_config(config):
+        raise ConfigError(
+            f"estimate_memory: {label} is not a transformers model, so its inputs are unknown; pass "
+            "forward=lambda model, batch_size, seq_len: <loss> (Python API: torchloom.estimate_memory)"
+        )
+    return _hf_source(label, prototype, config, checkpoint_settings)
+
+
+def _is_hf_config(obj: Any) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    return isinstance(obj, sys.modules["transformers"].PretrainedConfig)
+
+
+def _is_hf_model(obj: Any) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    return isinstance(obj, sys.modules["transformers"].PreTrainedModel)
+
+
+def _read_hf_config(path: str) -> Any:
+    import transformers
+
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model {path!r} is a directory without config.json; expected a Hugging Face model directory")
+    if os.path.isfile(path) and not path.endswith(".json"):
+        raise ConfigError(
+            f"model {path!r} is neither a transformers config (.json) nor a torchloom run config (.yaml / .yml)"
+        )
+    try:
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model {path!r}: not a transformers config: {exc}") from None
+
+
+def _head_classes() -> dict[str, set[str]]:
+    """transformers class names by the labels their head takes (from the auto-class mappings)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    def names(*mappings: Mapping[str, Any]) -> set[str]:
+        found: set[str] = set()
+        for mapping in mappings:
+            for value in mapping.values():
+                found.update([value] if isinstance(value, str) else value)
+        return found
+
+    return {
+        "token": names(
+            auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+            auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+            auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+        ),
+        "token_classes": names(auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
+        "sequence": names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
+    }
+
+
+def _auto_class_names(model_type: Any) -> dict[str, str]:
+    """The transformers class names registered for ``model_type``, by auto-class kind (from the auto mappings)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    mappings: dict[str, Mapping[str, Any]] = {
+        "masked": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "causal": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "seq2seq": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        "base": auto.MODEL_MAPPING_NAMES,
+        "sequence": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "token": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    }
+    found = {kind: mapping.get(str(model_type)) for kind, mapping in mappings.items()}
+    return {kind: name for kind, name in found.items() if isinstance(name, str)}
+
+
+def _build_hf(config: Any, architecture: str | None, mode: Any) -> torch.nn.Module:
+    import transformers
+
+    model_type = getattr(config, "model_type", None)
+    registered = _auto_class_names(model_type)
+    valid = f"Valid for model_type {model_type!r}: {', '.join(sorted(set(registered.values()))) or '(none known)'}"
+    name: str | None = architecture or next(iter(getattr(config, "architectures", None) or []), None)
+    if name is None:  # an encoder's masked LM, else the causal LM, else the seq2seq LM, else the base model
+        kinds = (
+            ["causal", "seq2seq", "base"]
+            if getattr(config, "is_decoder", False)
+            else ["masked", "causal", "seq2seq", "base"]
+        )
+        name = next((registered[k] for k in kinds if k in registered), None)
+    cls = getattr(transformers, name, None) if name else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        close = difflib.get_close_matches(str(name), sorted(set(registered.values())), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else "."
+        raise ConfigError(f"architecture {name!r} is not a transformers model class{hint} {valid}")
+    config_class: Any = cls.config_class
+    if isinstance(config_class, type) and not isinstance(config, config_class):
+        raise ConfigError(
+            f"architecture {name!r} takes a {config_class.__name__}, not the {type(config).__name__} given. {valid}"
+        )
+    try:
+        return _construct(lambda: cls(config), mode)
+    except Exception as exc:
+        raise ConfigError(
+            f"estimate_memory: building {name} from its config failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _hf_source(label: str, prototype: torch.nn.Module, config: Any, checkpoint: dict[str, Any] | None) -> _Source:
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ConfigError(
+            f"estimate_memory: {label} takes no input_ids (its config has no vocab_size); pass "
+            "forward=lambda model, batch_size, seq_len: <loss>"
+        )
+    heads = _head_classes()
+    kind = "token" if label in heads["token"] else "sequence" if label in heads["sequence"] else None
+    num_labels = getattr(config, "num_labels", 2)
+
+    def make_batch(model: torch.nn.Module, batch_size: int, seq_len: int | None) -> dict[str, torch.Tensor]:
+        assert seq_len is not None
+        batch = {"input_ids": torch.randint(0, vocab, (batch_size, seq_len))}
+        if kind == "token":
+            high = num_labels if label in heads["token_classes"] else vocab
+            batch["labels"] = torch.randint(0, high, (batch_size, seq_len))
+        elif kind == "sequence":
+            batch["labels"] = (
+                torch.randn(batch_size) if num_labels == 1 else torch.randint(0, num_labels, (batch_size,))
+            )
+        return batch
+
+    def loss(model: torch.nn.Module, batch: Any, batch_size: int, seq_len: int | None) -> torch.Tensor:
+        outputs = model(**batch)
+        if kind is not None:
+            return outputs.loss
+        first = outputs[0] if isinstance(outputs, tuple | list) or hasattr(outputs, "to_tuple") else outputs
+        return first.float().sum()
+
+    max_len = getattr(config, "max_position_embeddings", None)
+    return _Source(
+        label,
+        prototype,
+        loss,
+        make_batch,
+        max_len=max_len if isinstance(max_len, int) and max_len > 0 else None,
+        needs_seq_len=True,
+        checkpoint_settings=checkpoint,
+    )
+
+
+def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, dict[str, Any] | None]:
+    """Build the model of a run config's task (its ``configure_model``, on fake tensors) and read its
+    ``grad_checkpoint`` plugin's settings."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"run config {path!r}: cannot read it: {exc}") from None
+    task_section = config.get("task") if isinstance(config, Mapping) else None
+    if not isinstance(task_section, Mapping) or "class_path" not in task_section:
+        raise ConfigError(
+            f"run config {path!r} has no task (task: {{class_path: module.Class, init_args: {{...}}}}); "
+            "estimate-memory builds the task's model"
+        )
+    from jsonargparse import ArgumentParser
+
+    from torchloom.module import TaskModule
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(TaskModule, "task", required=True)
+    try:
+        task = parser.instantiate(parser.parse_object({"task": dict(task_section)})).task
+    except Exception as exc:
+        cause = _torchloom_error_in(exc)
+        if cause is not None:
+            raise cause from None
+        raise ConfigError(f"run config {path!r}: task: {' '.join(str(exc).split())}") from None
+    built = _construct(task.configure_model, mode)
+    if not isinstance(built, torch.nn.Module):
+        raise ConfigError(
+            f"run config {path!r}: {type(task).__name__}.configure_model returned {type(built).__name__}; "
+            "expected a torch.nn.Module"
+        )
+    return built, _plugin_settings(config.get("plugins"), CHECKPOINT_PLUGIN)
+
+
+def _plugin_settings(section: Any, name: str) -> dict[str, Any] | None:
+    """The settings a run config's ``plugins`` section gives plugin ``name`` (``{}`` if enabled without any)."""
+    entries: list[Any] = list(section.items()) if isinstance(section, Mapping) else []
+    if isinstance(section, list):
+        for entry in section:
+            if isinstance(entry, str):
+                entries.append((entry, None))
+            elif isinstance(entry, Mapping):
+                entries.extend(entry.items())
+    for key, value in entries:
+        if key == name:
+            return dict(value or {})
+    return None
+
+
+def _torchloom_error_in(exc: BaseException) -> TorchloomError | None:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, TorchloomError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
