@@ -94,10 +94,16 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks: engine vs a hand-written Accelerate loop (ratios), activation memory, compile speed."""
+    """The benchmark suite (bench/suite.py): step-time ratios to a hand-written Accelerate loop and to Lightning,
+    hook dispatch, start-up, activation and optimizer memory, compile speed; writes bench/results/latest.md and
+    latest.json. About 12 minutes on the 2-core project machine; ``nox -s bench -- --quick`` is a fast check.
+
+    Lightning (Fabric and the Trainer, the peers compared against) is installed in this session only, pinned in
+    bench/constraints.txt; bitsandbytes for the 8-bit AdamW of the realistic set.
+    """
     install_torchloom(session, "test")
-    for script in sorted(glob.glob("bench/*.py")):
-        session.run("python", script, *session.posargs, env=OFFLINE)
+    session.install("lightning", "bitsandbytes", *CONSTRAINTS, "-c", "bench/constraints.txt")
+    session.run("python", "bench/suite.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session(python=PYTHON)

@@ -189,7 +189,7 @@ NOOP_SETTINGS: dict[str, dict[str, Any]] = {
 }
 #: Built-ins whose every setting does work, so they are not in the no-op set: why.
 NO_NOOP = {
-    "grad_clip": "max_norm must be finite, so it always computes the norm (it is in the realistic set)",
+    "grad_clip": "max_norm must be finite, so it always computes and logs the norm; it is in the realistic set",
     "grad_checkpoint": "a 'modules' entry that matches nothing is an error",
     "trackers": "always writes to a tracker at the logging interval",
     "compile": "always compiles the model",
