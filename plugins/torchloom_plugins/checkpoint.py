@@ -123,6 +123,8 @@ class Checkpoint(torchloom.Plugin):
         self._previous_handlers: dict[int, Any] = {}
         self._group: Any = None  # a gloo group for the interrupt flag (several processes)
         self._pending: tuple[Any, torch.Tensor] | None = None  # the flag all-reduce started at the last step
+        if self.config.every_n_steps is None and not self.config.save_on_interrupt:  # saves at epoch ends only
+            self.inactive_hooks = frozenset({"on_train_step_end"})
 
     # ----------------------------------------------------------------------------------------------- fit
 

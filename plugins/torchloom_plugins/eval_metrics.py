@@ -35,12 +35,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torchmetrics
 
 import torchloom
+
+if TYPE_CHECKING:  # imported where used: torchmetrics takes about a second to import (scipy, transformers)
+    import torchmetrics
 
 __all__ = ["METRICS", "EvalMetrics", "EvalMetricsConfig", "build_metric", "metric_class"]
 
@@ -76,6 +78,8 @@ def metric_class(kind: str) -> type:
     Raises:
         ConfigError: no such metric (the message lists the short names).
     """
+    import torchmetrics
+
     path = METRICS.get(kind, kind)
     module_name, _, class_name = path.rpartition(".")
     modules = [module_name] if module_name else _MODULES
@@ -259,6 +263,8 @@ def _task_metrics(own: Any, task_name: str) -> tuple[torchmetrics.MetricCollecti
     """
     if own is None:
         return None, {}
+    import torchmetrics
+
     if isinstance(own, torchmetrics.MetricCollection):
         return own, dict(own.items(keep_base=False, copy_state=False))
     if isinstance(own, torchmetrics.Metric):

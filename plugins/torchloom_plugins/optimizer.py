@@ -27,6 +27,7 @@ scheduler: cosine, warmup_ratio: 0.05}}``.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -462,6 +463,11 @@ class OptimizerSwap(torchloom.Plugin):
 
     def __init__(self, config: OptimizerConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
+        if self.config.name in _EIGHT_BIT and importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(
+                f"optimizer {self.config.name!r} needs bitsandbytes, which is not installed: "
+                "pip install 'torchloom[8bit]' (or pip install bitsandbytes)"
+            )
         self._state_logged = False
         self._lr_used: float | None = None
         self._built: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None

@@ -1,32 +1,50 @@
 """torchloom: a Lightning-style training engine over Hugging Face Accelerate; every technique is a plugin.
 
 The public API is exactly what this module exports; plugins (built-in or third-party) import nothing else.
+
+Names are imported when first used (PEP 562 module ``__getattr__``, as SciPy and scikit-image load lazily,
+scientific-python SPEC 1): ``import torchloom`` alone imports neither torch nor Accelerate, so that
+``torchloom --help``, ``--version`` and a plugin module that needs only ``hookimpl`` start fast. ``from
+torchloom import Engine`` imports what ``Engine`` needs, as an eager import would.
 """
 
-from torchloom._inspect import inspect_path
-from torchloom._logging import request_stop
-from torchloom.checkpoint import delete_checkpoint, save_checkpoint
-from torchloom.config import EngineConfig
-from torchloom.data import DataModule
-from torchloom.engine import Engine
-from torchloom.errors import (
-    CheckpointError,
-    ConfigError,
-    PluginError,
-    RunFileError,
-    TaskError,
-    TorchloomError,
-    TrainingInterrupted,
-)
-from torchloom.hookspecs import hookimpl, hookspec
-from torchloom.memory import estimate_optimizer_memory
-from torchloom.module import TaskModule
-from torchloom.plugins import Plugin, PluginInfo, build_config, enable_plugins, installed_plugins
-from torchloom.progress import Progress
-from torchloom.state import load_plugin_state, save_plugin_state
-from torchloom.step import StepHooks
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "CheckpointError": "torchloom.errors",
+    "ConfigError": "torchloom.errors",
+    "DataModule": "torchloom.data",
+    "Engine": "torchloom.engine",
+    "EngineConfig": "torchloom.config",
+    "Plugin": "torchloom.plugins",
+    "PluginError": "torchloom.errors",
+    "PluginInfo": "torchloom.plugins",
+    "Progress": "torchloom.progress",
+    "RunFileError": "torchloom.errors",
+    "StepHooks": "torchloom.step",
+    "TaskError": "torchloom.errors",
+    "TaskModule": "torchloom.module",
+    "TorchloomError": "torchloom.errors",
+    "TrainingInterrupted": "torchloom.errors",
+    "build_config": "torchloom.plugins",
+    "delete_checkpoint": "torchloom.checkpoint",
+    "enable_plugins": "torchloom.plugins",
+    "estimate_optimizer_memory": "torchloom.memory",
+    "hookimpl": "torchloom.hookspecs",
+    "hookspec": "torchloom.hookspecs",
+    "inspect_path": "torchloom._inspect",
+    "installed_plugins": "torchloom.plugins",
+    "load_plugin_state": "torchloom.state",
+    "request_stop": "torchloom._logging",
+    "save_checkpoint": "torchloom.checkpoint",
+    "save_plugin_state": "torchloom.state",
+}
 
 __all__ = [
     "CheckpointError",
@@ -58,3 +76,41 @@ __all__ = [
     "save_checkpoint",
     "save_plugin_state",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchloom' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from torchloom._inspect import inspect_path
+    from torchloom._logging import request_stop
+    from torchloom.checkpoint import delete_checkpoint, save_checkpoint
+    from torchloom.config import EngineConfig
+    from torchloom.data import DataModule
+    from torchloom.engine import Engine
+    from torchloom.errors import (
+        CheckpointError,
+        ConfigError,
+        PluginError,
+        RunFileError,
+        TaskError,
+        TorchloomError,
+        TrainingInterrupted,
+    )
+    from torchloom.hookspecs import hookimpl, hookspec
+    from torchloom.memory import estimate_optimizer_memory
+    from torchloom.module import TaskModule
+    from torchloom.plugins import Plugin, PluginInfo, build_config, enable_plugins, installed_plugins
+    from torchloom.progress import Progress
+    from torchloom.state import load_plugin_state, save_plugin_state
+    from torchloom.step import StepHooks

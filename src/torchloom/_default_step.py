@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from torchloom.errors import TaskError
 from torchloom.hookspecs import hookimpl
 
-__all__ = ["DefaultTrainStep", "as_outputs"]
+__all__ = ["DefaultTrainStep", "as_outputs", "direct_optimizer"]
 
 
 class DefaultTrainStep:
@@ -30,6 +31,8 @@ class DefaultTrainStep:
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss in this fit
         self.scaler_skipped_steps = 0  # optimizer steps the fp16 loss scaler skipped (an overflow) in this fit
         self._window_nonfinite: torch.Tensor | None = None  # on the device: a non-finite loss in this window
+        self._wrapped: Any = None  # the optimizer `_direct` was decided for
+        self._direct: Any = None  # what `optimizer.step` / `zero_grad` call inside Accelerate's wrapper, or None
 
     @hookimpl
     def on_fit_start(self) -> None:
@@ -48,14 +51,23 @@ class DefaultTrainStep:
             optimizer.zero_grad(set_to_none=True)  # the window's gradients are dropped; nothing else moves
         elif accelerator.sync_gradients:
             hooks.before_optimizer_step(model, optimizer, accelerator, progress)
-            optimizer.step()
+            if optimizer is not self._wrapped:
+                self._wrapped, self._direct = optimizer, direct_optimizer(optimizer, accelerator)
+            inner = self._direct
+            if inner is not None:  # what the wrapper would do, without its per-step look-ups
+                inner.step()
+            else:
+                optimizer.step()
             # An fp16 overflow makes the loss scaler skip optimizer.step(); the schedule must not advance. (Only
             # with a scaler is this more than False, and then Accelerate has already synced to find out.)
-            if optimizer.step_was_skipped:
+            if inner is None and optimizer.step_was_skipped:
                 self.scaler_skipped_steps += 1
             elif scheduler is not None:
                 scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            if inner is not None:
+                inner.zero_grad(set_to_none=True)
+            else:
+                optimizer.zero_grad(set_to_none=True)
             hooks.after_optimizer_step(model, optimizer, scheduler, accelerator, progress)
         outputs["loss"] = loss.detach()
         return outputs
@@ -79,6 +91,37 @@ class DefaultTrainStep:
                 stacklevel=2,
             )
         return True
+
+
+def direct_optimizer(optimizer: Any, accelerator: Any) -> Any:
+    """The optimizer inside Accelerate's `AcceleratedOptimizer` when, at a step where gradients sync, the wrapper's
+    ``step()`` / ``zero_grad(set_to_none=True)`` would only call the inner ones; else ``None`` (call the wrapper).
+
+    That is the case for the wrapper itself (not DeepSpeed's or Megatron-LM's subclasses, whose step differs)
+    without a loss scaler (fp16), off XLA, and for an optimizer other than LOMO's, whose step the wrapper skips
+    (accelerate 1.x, ``accelerate/optimizer.py``). Decided once per optimizer: the wrapper itself looks up the
+    optional ``lomo_optim`` package with importlib twice per ``step()`` and reads ``inspect.signature`` of the
+    inner ``zero_grad`` at every ``zero_grad()``, about 40 µs per optimizer step on a CPU (see
+    docs/performance.md); calling the inner optimizer directly gives the same parameters, bit for bit.
+    """
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import DistributedType, is_lomo_available
+
+    if type(optimizer) is not AcceleratedOptimizer or optimizer.scaler is not None:
+        return None
+    if accelerator.distributed_type == DistributedType.XLA:
+        return None
+    inner = optimizer.optimizer
+    if is_lomo_available():
+        from lomo_optim import AdaLomo, Lomo
+
+        if isinstance(inner, Lomo | AdaLomo):
+            return None
+    try:
+        accepts = "set_to_none" in inspect.signature(inner.zero_grad).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    return inner if accepts else None
 
 
 def as_outputs(result: Any, where: str) -> dict[str, Any]:

@@ -22,13 +22,62 @@ class LogBuffer:
     A plain value is folded into a running sum (``mean``: with its weight), maximum, minimum or latest value
     on its own device, so logging never waits for the device. A `torchmetrics.Metric` is registered as it
     is; `reduce` computes it (torchmetrics synchronises its state over the ranks then) and resets it.
+    `append` (the engine's per-micro-batch loss) keeps the values in a list and folds them all at once, with
+    one stack, when the buffer is read or the list reaches `APPEND_FOLD` entries.
     """
+
+    #: Appended values kept per name before they are folded (bounds the memory held between logging steps).
+    APPEND_FOLD = 256
 
     def __init__(self) -> None:
         self._values: dict[str, Any] = {}  # name -> 0-dim tensor on the values' device, or float
         self._weights: dict[str, Any] = {}  # name -> summed weight (mean only)
         self._reductions: dict[str, str] = {}
         self.metrics: dict[str, Any] = {}  # name -> torchmetrics.Metric
+        self._appended: dict[str, tuple[list[torch.Tensor], list[Any]]] = {}  # name -> (values, weights)
+
+    def append(self, name: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
+        """Add ``value`` to the weighted mean of ``name`` without a device operation now (the engine's hot path).
+
+        Args:
+            name (`str`): a name logged only through `append` (and `log` with ``reduce="mean"``) in this interval.
+            value (`torch.Tensor`): a 0-dim floating-point tensor, detached; already checked by the caller.
+            weight (`torch.Tensor` or `float`): a 0-dim tensor or a number >= 0, already checked by the caller.
+        """
+        pending = self._appended.get(name)
+        if pending is None:
+            if self._reductions.get(name, "mean") != "mean":
+                raise TaskError(f"log({name!r}): logged with reduce={self._reductions[name]!r} and reduce='mean'")
+            self._reductions[name] = "mean"
+            pending = self._appended[name] = ([], [])
+        pending[0].append(value)
+        pending[1].append(weight)
+        if len(pending[0]) >= self.APPEND_FOLD:
+            self._fold(name)
+
+    def _fold(self, name: str | None = None) -> None:
+        """Fold appended values (of ``name``, or of every name) into the running weighted sums: one stack each."""
+        for key in [name] if name is not None else list(self._appended):
+            values, weights = self._appended.pop(key, ((), ()))
+            if not values:
+                continue
+            if all(v.dtype == values[0].dtype and v.device == values[0].device for v in values):
+                stacked = torch.stack(values)
+            else:
+                stacked = torch.stack([v.to(values[0].device, torch.float64) for v in values])
+            dtype = torch.float64 if stacked.device.type != "mps" else torch.float32
+            stacked = stacked.to(dtype)
+            if all(isinstance(w, int | float) for w in weights):
+                total_weight: Any = float(sum(weights))
+                if all(w == 1 for w in weights):
+                    total = stacked.sum()
+                else:
+                    total = (stacked * torch.tensor(weights, dtype=dtype, device=stacked.device)).sum()
+            else:
+                w = torch.stack([torch.as_tensor(x).to(stacked.device, dtype).reshape(()) for x in weights])
+                total, total_weight = (stacked * w).sum(), w.sum()
+            self._values[key] = self._values.get(key, 0.0) + total
+            self._weights[key] = self._weights.get(key, 0.0) + total_weight
 
     def log(
         self, name: str, value: torch.Tensor | float | Any, weight: torch.Tensor | float = 1.0, reduce: str = "mean"
@@ -40,6 +89,8 @@ class LogBuffer:
             raise TaskError(f"log({name!r}, ...): the name is a {type(name).__name__}; expected a non-empty string")
         if reduce not in REDUCTIONS:
             raise TaskError(f"log({name!r}): reduce={reduce!r} is not one of {', '.join(REDUCTIONS)}")
+        if name in self._appended:
+            self._fold(name)
         known = self._reductions.get(name)
         if _is_metric(value):
             if known is not None and known != "metric":
@@ -93,6 +144,7 @@ class LogBuffer:
         self._weights.clear()
         self._reductions.clear()
         self.metrics.clear()
+        self._appended.clear()
 
     def reset_metrics(self) -> None:
         """Reset every registered torchmetrics object and forget it (what the sanity pass logged)."""
@@ -106,6 +158,7 @@ class LogBuffer:
         Logged torchmetrics objects are not part of it (a checkpoint cannot hold them): `reduce` after
         `load_state_dict` computes only the plain values.
         """
+        self._fold()
         plain = {n: r for n, r in self._reductions.items() if r != "metric"}
         return {
             "values": {n: self._values[n] for n in plain},
@@ -139,6 +192,7 @@ class LogBuffer:
             TaskError: the ranks logged different names or reductions; a metric's compute failed or did not
                 give a single number (the metric is left usable: its local state, not the synchronised one).
         """
+        self._fold()
         names = sorted(n for n in self._reductions if n not in self.metrics)
         if accelerator.num_processes > 1:
             # One small object gather per logging interval turns a rank logging other names (which would make

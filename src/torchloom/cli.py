@@ -44,7 +44,7 @@ import pluggy
 import yaml
 
 import torchloom
-from torchloom import ConfigError, DataModule, EngineConfig, TaskModule, TorchloomError, TrainingInterrupted
+from torchloom import ConfigError, EngineConfig, TorchloomError, TrainingInterrupted
 
 __all__ = ["main"]
 
@@ -60,8 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_other_processes(os.environ)
     _put_config_dir_on_path(argv)
     try:
-        parser, run_parsers = _build_parser()
         command = next((a for a in argv if not a.startswith("-")), None)
+        # The run commands' parsers import torch (they describe TaskModule / DataModule); the others start without.
+        full = command in RUN_COMMANDS or (command == "plugins" and any(a.startswith("--config") for a in argv))
+        parser, run_parsers = _build_parser(run_commands=full)
         if command in RUN_COMMANDS:
             argv, plugin_options, print_flags = _take_cli_options(argv, argv.index(command) + 1)
             argv, resume = _take_resume_options(argv, command)
@@ -85,8 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _build_parser() -> tuple[Any, dict[str, Any]]:
-    """The ``torchloom`` parser, and the parser of each run command (for ``--print_config``)."""
+def _build_parser(run_commands: bool = True) -> tuple[Any, dict[str, Any]]:
+    """The ``torchloom`` parser, and the parser of each run command (for ``--print_config``).
+
+    With ``run_commands`` false the run commands get a parser that only names them (enough for ``--help``,
+    ``--version``, ``plugins`` and ``inspect``), which imports neither torch nor the task and data classes.
+    """
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
@@ -97,11 +103,18 @@ def _build_parser() -> tuple[Any, dict[str, Any]]:
     run_parsers = {}
     for command in RUN_COMMANDS:
         sub = ArgumentParser(description=f"{command} a task (see 'torchloom {command} --help')", allow_abbrev=False)
+        if not run_commands:
+            subcommands.add_subcommand(command, sub, help=f"{command} a task")
+            continue
         sub.add_argument("--config", action=ActionConfigFile, help="YAML config file (may be repeated)")
         sub.add_class_arguments(EngineConfig, "engine", help="Loop settings (torchloom.EngineConfig)")
         # Not required here: `plugins --config` reads a config with no task; a run checks for it itself.
-        sub.add_subclass_arguments(TaskModule, "task", required=False, help="The task: class_path + init_args")
-        sub.add_subclass_arguments(DataModule, "data", required=False, help="The data: class_path + init_args")
+        sub.add_subclass_arguments(
+            torchloom.TaskModule, "task", required=False, help="The task: class_path + init_args"
+        )
+        sub.add_subclass_arguments(
+            torchloom.DataModule, "data", required=False, help="The data: class_path + init_args"
+        )
         # Read and checked by this module (`_take_cli_options`, `_plugin_section`), not by jsonargparse.
         sub.add_argument(
             "--plugins",

@@ -42,6 +42,9 @@ __all__ = [
 ENTRY_POINT_GROUP = "torchloom.plugins"
 ALLOW_ENV = "TORCHLOOM_PLUGINS"
 TRACE_ENV = "TORCHLOOM_TRACE_HOOKS"
+#: A plugin object's attribute naming hooks it implements but does not register, its settings making them no-ops
+#: (e.g. ``frozenset({"on_train_step_end"})``): read once, as the plugin is registered.
+INACTIVE_HOOKS_ATTR = "inactive_hooks"
 
 PluginSpec = Mapping[str, Any] | Sequence[Any] | None
 
@@ -60,6 +63,9 @@ class Plugin:
             one-line comment. Validated by `build_config`.
         requires (`tuple[str, ...]`): names of plugins that must be enabled too.
         conflicts (`tuple[str, ...]`): names of plugins that must not be enabled together with this one.
+        inactive_hooks (`frozenset[str]`): hooks the plugin implements but that its settings make no-ops: they
+            are not registered, so the loop never calls them (set it on the object, in ``__init__``, from the
+            settings; e.g. ``grad_accum`` with ``steps: 1``). Read once, when the engine registers the plugin.
 
     Args:
         config (`Config`, *optional*): ready-made settings; otherwise built from ``settings``.
@@ -73,6 +79,7 @@ class Plugin:
     Config: ClassVar[type] = NoConfig
     requires: ClassVar[tuple[str, ...]] = ()
     conflicts: ClassVar[tuple[str, ...]] = ()
+    inactive_hooks: frozenset[str] = frozenset()
 
     def __init__(self, config: Any = None, **settings: Any) -> None:
         if config is not None and settings:
@@ -268,14 +275,19 @@ def _allow_list() -> set[str] | None:
     return {n.strip() for n in raw.split(",") if n.strip()}
 
 
-def find_plugin(name: str) -> PluginInfo:
+def find_plugin(name: str, installed: Mapping[str, list[PluginInfo]] | None = None) -> PluginInfo:
     """Return the one installed registration of ``name``.
+
+    Args:
+        name (`str`): the entry-point name.
+        installed (`Mapping`, *optional*): what `installed_plugins` returned, when the caller already has it
+            (enabling several plugins scans the entry points once); else scanned now.
 
     Raises:
         PluginError: unknown name (lists the installed ones and suggests the closest), a name left out by
             ``TORCHLOOM_PLUGINS``, or a name registered by two distributions (names both).
     """
-    installed = installed_plugins()
+    installed = installed_plugins() if installed is None else installed
     if name not in installed:
         allowed = _allow_list()
         if allowed is not None:
@@ -341,14 +353,15 @@ def enable_plugins(spec: PluginSpec) -> list[Any]:
                 raise ConfigError(f"plugins: entry {entry!r} is not a plugin; expected {valid}")
             else:
                 items.append((None, None, entry))
-    plugins = [inst if inst is not None else _instantiate(name, settings) for name, settings, inst in items]
+    installed = installed_plugins() if any(inst is None for _, _, inst in items) else {}  # one scan for all names
+    plugins = [inst if inst is not None else _instantiate(name, settings, installed) for name, settings, inst in items]
     _check_relations(plugins)
     return plugins
 
 
-def _instantiate(name: str | None, settings: Any) -> Any:
+def _instantiate(name: str | None, settings: Any, installed: Mapping[str, list[PluginInfo]]) -> Any:
     assert name is not None
-    obj = find_plugin(name).load()
+    obj = find_plugin(name, installed).load()
     if not isinstance(obj, type):
         if settings is not None and settings != {}:
             raise ConfigError(
@@ -417,10 +430,26 @@ class HookRelay:
             if not name.startswith("_")
             if getattr(self._forward.hook, name).get_hookimpls()
         }
+        #: hook name -> its pluggy caller, from the manager whose order the hook runs in.
+        self._caller = {
+            name: getattr((self._reverse if _is_reversed(name) else self._forward).hook, name)
+            for name in self._implemented
+        }
+        #: hook name -> ``(function, argument names)`` of each implementation in call order, for the hooks whose
+        #: implementations are all plain (no wrapper): see `call`.
+        self._plain: dict[str, list[tuple[Any, tuple[str, ...]]]] = {}
+        if os.environ.get(TRACE_ENV, "") in ("", "0"):
+            for name, caller in self._caller.items():
+                impls = caller.get_hookimpls()
+                if not any(impl.wrapper or impl.hookwrapper for impl in impls):
+                    self._plain[name] = [(impl.function, tuple(impl.argnames)) for impl in reversed(impls)]
+        self._firstresult = {
+            name for name, caller in self._caller.items() if caller.spec and caller.spec.opts.get("firstresult")
+        }
 
     @staticmethod
     def _manager(plugins: Iterable[Any]) -> pluggy.PluginManager:
-        pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        pm = _PluginManager(hookspecs.PROJECT_NAME)
         pm.add_hookspecs(hookspecs)
         for plugin in plugins:
             try:
@@ -442,13 +471,32 @@ class HookRelay:
         return hook_name in self._implemented
 
     def call(self, hook_name: str, **kwargs: Any) -> Any:
-        """Call a hook by keyword. An exception gets a note naming the plugin and hook that raised it."""
-        pm = self._reverse if _is_reversed(hook_name) else self._forward
-        caller = getattr(pm.hook, hook_name)
+        """Call a hook by keyword. An exception gets a note naming the plugin and hook that raised it.
+
+        A hook no plugin implements returns at once (``[]``, or ``None`` for a ``firstresult`` hook). A hook
+        whose implementations are all plain (none is a wrapper) calls them in order here, as pluggy's
+        ``_multicall`` does (each with the arguments it names; results that are not ``None`` collected, the first
+        one returned for a ``firstresult`` hook), without its per-call set-up: about 1 µs instead of 2-3 µs per
+        call on the hot path. Wrapped hooks, and every hook under ``TORCHLOOM_TRACE_HOOKS``, go through pluggy.
+        """
+        plain = self._plain.get(hook_name)
         try:
+            if plain is not None:
+                results = []
+                for function, argnames in plain:
+                    result = function(*[kwargs[name] for name in argnames])
+                    if result is not None:
+                        if hook_name in self._firstresult:
+                            return result
+                        results.append(result)
+                return None if hook_name in self._firstresult else results
+            caller = self._caller.get(hook_name)
+            if caller is None:
+                return None if _spec_opts(hook_name).get("firstresult") else []
             return caller(**kwargs)
         except Exception as exc:
-            culprit = _raising_plugin(exc, caller.get_hookimpls())
+            caller = getattr(self._forward.hook, hook_name, None)
+            culprit = _raising_plugin(exc, caller.get_hookimpls()) if caller is not None else None
             if culprit is not None and hasattr(exc, "add_note"):
                 exc.add_note(f"torchloom: raised in hook {hook_name!r} of plugin {culprit!r}")
             raise
@@ -518,6 +566,21 @@ class HookRelay:
         """Names of the plugins implementing ``hook_name``, in the order they run (wrappers first)."""
         pm = self._reverse if _is_reversed(hook_name) else self._forward
         return [impl.plugin_name for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls())]
+
+
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager that also leaves out the hooks a plugin object lists in ``inactive_hooks``."""
+
+    def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
+        if name in getattr(plugin, INACTIVE_HOOKS_ATTR, ()):
+            return None
+        return super().parse_hookimpl_opts(plugin, name)
+
+
+def _spec_opts(hook_name: str) -> dict[str, Any]:
+    """The options of the hookspec ``hook_name`` (``{}`` when there is none)."""
+    spec = getattr(hookspecs, hook_name, None)
+    return dict(getattr(spec, f"{hookspecs.PROJECT_NAME}_spec", None) or {})
 
 
 def _raising_plugin(exc: BaseException, impls: Sequence[Any]) -> str | None:

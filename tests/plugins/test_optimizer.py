@@ -8,6 +8,7 @@ its 8-bit blockwise Adam on CPU, so C16's state dtypes are checked here, not ski
 
 from __future__ import annotations
 
+import sys
 import typing
 from typing import Any
 
@@ -454,3 +455,10 @@ def test_the_plugin_answers_the_memory_estimate_for_every_name_it_builds(tmp_pat
     )
     with pytest.raises(torchloom.ConfigError, match=r"'momentum'.*does not apply to optimizer 'adamw'"):
         OptimizerSwap.estimate_optimizer_memory(model, "adamw", {"momentum": 0.9})
+
+
+def test_an_8bit_optimizer_without_bitsandbytes_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # find_spec answers None: not installed
+    with pytest.raises(torchloom.ConfigError, match=r"optimizer 'adamw8bit' needs bitsandbytes.*torchloom\[8bit\]"):
+        torchloom.Engine(plugins={"optimizer": {"name": "adamw8bit"}})
+    torchloom.Engine(plugins={"optimizer": {"name": "adamw"}})  # the others do not need it

@@ -1,0 +1,210 @@
+"""Hook dispatch: the relay's plain-hook path calls what pluggy would, in the same order with the same results,
+and a plugin's ``inactive_hooks`` are never registered (so the loop never calls them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchloom
+from torchloom.plugins import TRACE_ENV, HookRelay
+
+
+class Recorder:
+    def __init__(self, name: str, calls: list, result=None) -> None:
+        self.name, self.calls, self.result = name, calls, result
+
+    @torchloom.hookimpl
+    def before_optimizer_step(self, model, progress) -> None:
+        self.calls.append((self.name, "before_optimizer_step", model, progress))
+
+    @torchloom.hookimpl
+    def after_optimizer_step(self, log) -> None:
+        self.calls.append((self.name, "after_optimizer_step", log))
+
+    @torchloom.hookimpl
+    def configure_accelerator(self):
+        return self.result
+
+
+def _calls(monkeypatch, trace: bool):
+    if trace:
+        monkeypatch.setenv(TRACE_ENV, "1")
+    else:
+        monkeypatch.delenv(TRACE_ENV, raising=False)
+    calls: list = []
+    relay = HookRelay([Recorder("a", calls, {"x": 1}), Recorder("b", calls), Recorder("c", calls, {"y": 2})])
+    kwargs = {"model": "M", "optimizer": None, "accelerator": None, "progress": "P", "log": "L"}
+    results = [
+        relay.call("before_optimizer_step", **kwargs),
+        relay.call("after_optimizer_step", scheduler=None, **kwargs),
+        relay.call("configure_accelerator", config=None),
+        relay.call("on_train_batch_start", batch=None, accelerator=None, progress=None),  # nobody implements it
+    ]
+    return calls, results, bool(relay._plain)
+
+
+def test_the_plain_path_calls_what_pluggy_calls_in_the_same_order(monkeypatch, capsys):
+    direct = _calls(monkeypatch, trace=False)
+    through_pluggy = _calls(monkeypatch, trace=True)  # tracing sends every call through pluggy
+    assert direct[2] and not through_pluggy[2]
+    assert direct[:2] == through_pluggy[:2]
+    assert [c[0] for c in direct[0]] == ["a", "b", "c", "c", "b", "a"]  # forward, then reversed for after_*
+    assert direct[1][0] == [] and direct[1][3] == []
+    assert direct[1][2] == [{"x": 1}, {"y": 2}]  # results that are not None, in call order
+
+
+def test_a_plain_hook_that_raises_is_named_in_a_note(monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+
+    class Broken:
+        name = "broken"
+
+        @torchloom.hookimpl
+        def before_optimizer_step(self) -> None:
+            raise RuntimeError("boom")
+
+    relay = HookRelay([Recorder("a", []), Broken()])
+    with pytest.raises(RuntimeError, match="boom") as info:
+        relay.call("before_optimizer_step", model=None, optimizer=None, accelerator=None, progress=None, log=None)
+    assert "torchloom: raised in hook 'before_optimizer_step' of plugin 'broken'" in info.value.__notes__
+
+
+class Quiet(torchloom.Plugin):
+    name = "quiet"
+
+    def __init__(self, active: bool) -> None:
+        super().__init__()
+        self.calls = 0
+        if not active:
+            self.inactive_hooks = frozenset({"on_train_batch_end"})
+
+    @torchloom.hookimpl
+    def on_train_batch_end(self) -> None:
+        self.calls += 1
+
+
+class Task(torchloom.TaskModule):
+    def configure_model(self):
+        return torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_inactive_hooks_are_not_registered(tmp_path, active):
+    data = DataLoader(TensorDataset(torch.ones(8, 2)), batch_size=2)
+    plugin = Quiet(active)
+    engine = torchloom.Engine(max_epochs=1, output_dir=str(tmp_path), plugins=[plugin])
+    assert ("quiet" in engine.hook_order().get("on_train_batch_end", [])) is active
+    engine.fit(Task(), train_dataloader=data)
+    assert plugin.calls == (4 if active else 0)
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "inactive"),
+    [
+        ("grad_accum", {"steps": 1}, {"run_train_step", "before_backward", "before_optimizer_step"}),
+        ("grad_accum", {"steps": 2}, set()),
+        ("grad_accum", {"steps": 1, "normalization": "items"}, set()),
+        ("checkpoint", {"every_n_epochs": 1, "save_on_interrupt": False}, {"on_train_step_end"}),
+        ("checkpoint", {"every_n_epochs": 1}, set()),
+        ("checkpoint", {"every_n_steps": 5, "save_on_interrupt": False}, set()),
+    ],
+)
+def test_builtins_whose_settings_make_a_hook_a_no_op_do_not_register_it(name, settings, inactive):
+    order = torchloom.Engine(plugins={name: settings}).hook_order()
+    registered = {hook for hook, plugins in order.items() if name in plugins}
+    assert not registered & inactive
+    plugin_cls = torchloom.installed_plugins()[name][0].load()
+    assert all(hasattr(getattr(plugin_cls, hook), "torchloom_impl") for hook in inactive)  # hooks it does implement
+
+
+def test_enabling_several_plugins_by_name_scans_the_entry_points_once(monkeypatch):
+    import torchloom.plugins as plugins_module
+
+    scans = []
+    real = plugins_module.metadata.entry_points
+
+    def counted(**kwargs):
+        scans.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(plugins_module.metadata, "entry_points", counted)
+    enabled = torchloom.enable_plugins(["grad_clip", {"grad_accum": {"steps": 2}}, "optimizer", "checkpoint"])
+    assert [torchloom.plugins.plugin_name(p) for p in enabled] == ["grad_clip", "grad_accum", "optimizer", "checkpoint"]
+    assert len(scans) == 1
+
+
+def _hand_loop(data, model, make_optimizer):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    optimizer = make_optimizer(model)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, data)
+    for x, y in loader:
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()  # through Accelerate's wrapper
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+        lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, nesterov=True),
+    ],
+    ids=["adamw", "sgd-nesterov"],
+)
+def test_the_default_step_equals_a_loop_through_accelerates_optimizer_wrapper_bit_for_bit(tmp_path, make_optimizer):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, generator=g)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+    def model():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    class Regression(torchloom.TaskModule):
+        def configure_model(self):
+            return model()
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.model(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return make_optimizer(self.model)
+
+    expected = _hand_loop(data, model(), make_optimizer)
+    task = Regression()
+    torchloom.Engine(max_epochs=1, output_dir=str(tmp_path)).fit(task, train_dataloader=data)
+    assert all(torch.equal(a, b) for a, b in zip(task.model.parameters(), expected, strict=True))
+
+
+def test_the_inner_optimizer_is_called_directly_only_where_the_wrapper_adds_nothing():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from torchloom._default_step import direct_optimizer
+
+    for mixed_precision, direct in (("no", True), ("fp16", False)):
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+        if mixed_precision == "fp16":  # Accelerate makes no scaler on CPU; the mixed_precision plugin does
+            from torchloom_plugins.mixed_precision import install_cpu_grad_scaler
+
+            install_cpu_grad_scaler(accelerator)
+        model = torch.nn.Linear(2, 1)
+        optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+        assert (direct_optimizer(optimizer, accelerator) is optimizer.optimizer) is direct
+        assert direct_optimizer(optimizer.optimizer, accelerator) is None  # not Accelerate's wrapper
