@@ -99,10 +99,10 @@ def bench(session: nox.Session) -> None:
     latest.json. About 12 minutes on the 2-core project machine; ``nox -s bench -- --quick`` is a fast check.
 
     Lightning (Fabric and the Trainer, the peers compared against) is installed in this session only, pinned in
-    bench/constraints.txt; bitsandbytes for the 8-bit AdamW of the realistic set.
+    bench/constraints.txt; the 8bit extra (bitsandbytes) for the 8-bit AdamW of the realistic set.
     """
-    install_torchloom(session, "test")
-    session.install("lightning", "bitsandbytes", *CONSTRAINTS, "-c", "bench/constraints.txt")
+    install_torchloom(session, "test", "8bit")
+    session.install("lightning", *CONSTRAINTS, "-c", "bench/constraints.txt")
     session.run("python", "bench/suite.py", *session.posargs, env=OFFLINE)
 
 

@@ -17,8 +17,13 @@ The dispatch time of one entry is its elapsed time minus the elapsed time of wha
 implementations, and nested entries (which count on their own). So the forward, backward and optimizer step
 inside the default ``run_train_step`` are implementation time, and ``before_optimizer_step`` fired from inside
 it is an entry of its own. The wrappers' own cost (a Python call and two clock reads per implementation segment
-and per entry) would show as dispatch: it is measured first on empty functions, the same way, and subtracted
-from each call. On this shared 2-core machine a call is now and then descheduled for milliseconds, which would
+and per entry) would show as dispatch: it is measured first on empty functions in a tight loop, the same way, and
+subtracted from each call. In a fit the caches are colder than in a tight loop (a training step runs between two
+hooks), so hooks and wrappers cost more there; the subtraction then falls short and the figures err high. A
+method check measures that: a relay with one plugin whose implementations are empty, a real training step
+between calls, timed both by this method and by plain A/B (the call through the engine's path minus a direct
+call of the implementation, each timed on its own); the report shows both.
+On this shared 2-core machine a call is now and then descheduled for milliseconds, which would
 dominate a mean: so each (hook, layer) reports the *median* dispatch time per call, times its calls per
 micro-step. Calls are recorded from the first ``HookRelay.call`` after micro-batch ``warmup``'s forward starts
 until micro-batch ``warmup + steps``'s forward starts (the overhead benchmark's span); the garbage collector is
@@ -35,7 +40,9 @@ import contextlib
 import functools
 import gc
 import json
+import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -44,7 +51,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.path.dirname(os.path.abspath(__file__)) not in map(os.path.abspath, sys.path):  # imported from elsewhere
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import workloads
 
@@ -227,6 +235,21 @@ class SpanClock(workloads.Clock):
 # ------------------------------------------------------------------------------------------------ calibration
 
 
+class _Cache:
+    """A real W1 training step, run between the timed calls of the method check so that they find the caches as
+    the hooks of a fit do (in a tight loop the same calls run several times faster)."""
+
+    def __init__(self) -> None:
+        self.model = workloads.W1.build_model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=workloads.LR)
+        self.batch = next(iter(workloads.W1.loader(1)))
+
+    def disturb(self) -> None:
+        workloads.W1.forward(self.model, self.batch).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 def _calibrate(repeats: int = 7, n: int = 20000) -> dict[str, float]:
     """Seconds of dispatch that the instrumentation itself adds per event, measured by running empty functions
     through the same wrappers: the dispatch recorded, less the real cost of the same calls uninstrumented (all of
@@ -320,14 +343,7 @@ def _check_method(n: int = 1500) -> dict[str, dict[str, float]]:
         def on_train_batch_end(self, batch: Any, progress: Any) -> None:
             return None
 
-    model = workloads.W1.build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=workloads.LR)
-    batch = next(iter(workloads.W1.loader(1)))
-
-    def train_step() -> None:
-        workloads.W1.forward(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train_step = _Cache().disturb
 
     step_kwargs = dict(zip(("task", "model", "optimizer", "scheduler", "accelerator", "batch", "progress"), range(7)))
     end_kwargs = {"outputs": {}, "batch": 1, "accelerator": 2, "progress": 3, "log": None}
@@ -375,6 +391,90 @@ def _check_method(n: int = 1500) -> dict[str, dict[str, float]]:
     return result
 
 
+# --------------------------------------------------------------------------------------------------- sampling
+
+
+class Sampler:
+    """A statistical profiler in this process: SIGALRM every ``interval`` seconds (``ITIMER_REAL``); each sample
+    is charged to dispatch when the innermost Python frame running is dispatch code (pluggy's, ``HookRelay.call``,
+    a `StepHooks` method), to the hook it serves (the ``hook_name`` of the nearest ``HookRelay.call`` frame, or
+    the `StepHooks` method), else to everything else. Time in C (a torch op, ``getattr``) is charged to the
+    Python frame that called it. Nothing is wrapped, so nothing is perturbed but by the samples themselves."""
+
+    def __init__(self) -> None:
+        import pluggy
+
+        self.pluggy_dir = os.path.dirname(pluggy.__file__) + os.sep
+        self.relay_call = HookRelay.call.__code__
+        self.step_hooks = {getattr(StepHooks, name).__code__ for name in (*STEP_HOOKS, "_fire")}
+        self.total = 0
+        self.hooks: dict[str, int] = defaultdict(int)
+
+    def dispatch_samples(self) -> int:
+        return sum(self.hooks.values())
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.total += 1
+        code = frame.f_code
+        if not (code is self.relay_call or code in self.step_hooks or code.co_filename.startswith(self.pluggy_dir)):
+            return
+        name, f = "?", frame
+        while f is not None:
+            if f.f_code is self.relay_call:
+                name = f.f_locals.get("hook_name", "?")
+                break
+            if f.f_code in self.step_hooks and f.f_code.co_name != "_fire":
+                name = f.f_code.co_name
+                break
+            f = f.f_back
+        self.hooks[name] += 1
+
+
+class SampledSpan(workloads.Clock):
+    """The overhead benchmark's clock, sampling (and reading the process CPU time) during the span."""
+
+    def __init__(self, warmup: int, steps: int, sampler: Sampler, interval: float) -> None:
+        super().__init__(warmup, steps)
+        self.sampler, self.interval = sampler, interval
+        self.cpu = 0.0
+
+    def tick(self) -> None:
+        if self.count == self.start:
+            signal.signal(signal.SIGALRM, self.sampler)
+            self.cpu = time.process_time()
+            signal.setitimer(signal.ITIMER_REAL, self.interval, self.interval)
+        elif self.count == self.stop:
+            signal.setitimer(signal.ITIMER_REAL, 0, 0)
+            self.cpu = time.process_time() - self.cpu
+        super().tick()
+
+
+def sample_once(plugins: dict[str, dict[str, Any]], warmup: int, steps: int, interval: float) -> dict[str, Any]:
+    """One fit with the sampler on: dispatch microseconds per micro-step (fraction of samples x CPU time per
+    micro-step), its standard error (binomial), and the same per hook."""
+    sampler = Sampler()
+    span = SampledSpan(warmup, steps, sampler, interval)
+    previous = signal.getsignal(signal.SIGALRM)
+    try:
+        with workloads.quiet():
+            workloads.torchloom_run(workloads.W1, plugins, span, warmup + steps + 1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+    span.seconds()
+    cpu_us = span.cpu / steps * 1e6
+    n, k = sampler.total, sampler.dispatch_samples()
+    fraction = k / n
+    return {
+        "samples": n,
+        "dispatch_samples": k,
+        "cpu_us_per_micro_step": cpu_us,
+        "us_per_micro_step": fraction * cpu_us,
+        "standard_error_us": math.sqrt(fraction * (1 - fraction) / n) * cpu_us,
+        "hooks": {name: count / n * cpu_us for name, count in sorted(sampler.hooks.items())},
+    }
+
+
 # ----------------------------------------------------------------------------------------------------- runs
 
 
@@ -392,7 +492,7 @@ def measure_once(plugins: dict[str, dict[str, Any]], warmup: int, steps: int, co
     return {"per_call": per_call, "stray": sorted(REC.stray)}
 
 
-def measure(repeats: int, warmup: int, steps: int) -> dict[str, Any]:
+def measure(repeats: int, warmup: int, steps: int, sample_steps: int, interval: float) -> dict[str, Any]:
     torch.set_num_threads(1)
     cost = _calibrate()
     REC.cost = cost
@@ -403,6 +503,7 @@ def measure(repeats: int, warmup: int, steps: int) -> dict[str, Any]:
         sets["realistic set"] = workloads.TORCHLOOM_PLUGINS["realistic"]
     else:
         notes.append("realistic set skipped: bitsandbytes' 8-bit AdamW does not run here")
+    sampled = {label: sample_once(plugins, warmup, sample_steps, interval) for label, plugins in sets.items()}
     rows = []
     with instrumented():
         for label, plugins in sets.items():
@@ -431,6 +532,7 @@ def measure(repeats: int, warmup: int, steps: int) -> dict[str, Any]:
                 {
                     "plugins": label,
                     "enabled": list(plugins),
+                    "sampled": sampled[label],
                     "us_per_micro_step": {"median": statistics.median(totals), "min": min(totals), "max": max(totals)},
                     "hooks": dict(hooks),
                 }
@@ -440,6 +542,8 @@ def measure(repeats: int, warmup: int, steps: int) -> dict[str, Any]:
         "repeats": repeats,
         "warmup_micro_steps": warmup,
         "timed_micro_steps": steps,
+        "sampled_micro_steps": sample_steps,
+        "sample_interval_s": interval,
         "instrumentation_cost_us": {k: v * 1e6 for k, v in cost.items()},
         "method_check": check,
         "rows": rows,
@@ -449,19 +553,25 @@ def measure(repeats: int, warmup: int, steps: int) -> dict[str, Any]:
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"Hook dispatch, {result['workload']}: {result['repeats']} fits x {result['timed_micro_steps']} micro-steps "
-        "(median per call x calls per micro-step; min-max over the fits)",
+        f"Hook dispatch, {result['workload']}. Sampled: one fit of {result['sampled_micro_steps']} micro-steps, a "
+        f"sample every {result['sample_interval_s'] * 1e3:.3g} ms (+- one standard error). Instrumented: "
+        f"{result['repeats']} fits x {result['timed_micro_steps']} micro-steps, median per call x calls per "
+        "micro-step (min-max over the fits; errs high, see the method check).",
         "",
-        "| plugins | dispatch us / micro-step | min-max | per hook: (relay calls / micro-step) us / micro-step |",
+        "| plugins | sampled us / micro-step | instrumented us / micro-step | per hook, instrumented: (relay calls / "
+        "micro-step) us / micro-step |",
         "|---|---:|---:|---|",
     ]
     for row in result["rows"]:
-        t = row["us_per_micro_step"]
+        t, sampled = row["us_per_micro_step"], row["sampled"]
         hooks = ", ".join(
             f"{name} ({h.get('HookRelay.call calls / micro-step', 0):.2g}) {h['us_per_micro_step']:.1f}"
             for name, h in row["hooks"].items()
         )
-        lines.append(f"| {row['plugins']} | {t['median']:.1f} | {t['min']:.1f}-{t['max']:.1f} | {hooks} |")
+        lines.append(
+            f"| {row['plugins']} | {sampled['us_per_micro_step']:.1f} +- {sampled['standard_error_us']:.1f} | "
+            f"{t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | {hooks} |"
+        )
     checks = "; ".join(
         f"{name}: {c['instrumented_us']:.2f} us instrumented vs {c['ab_us']:.2f} us A/B"
         for name, c in result["method_check"].items()
@@ -472,12 +582,14 @@ def format_table(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="instrumented fits per plugin set")
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=1000, help="timed micro-steps per instrumented fit")
+    parser.add_argument("--sample-steps", type=int, default=20000, help="timed micro-steps of the sampled fit")
+    parser.add_argument("--interval", type=float, default=0.000997, help="seconds between samples")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    result = measure(args.repeats, args.warmup, args.steps)
+    result = measure(args.repeats, args.warmup, args.steps, args.sample_steps, args.interval)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.path.dirname(os.path.abspath(__file__)) not in map(os.path.abspath, sys.path):  # imported from elsewhere
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from workloads import (
     BF16,

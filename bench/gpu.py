@@ -48,7 +48,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.path.dirname(os.path.abspath(__file__)) not in map(os.path.abspath, sys.path):  # imported from elsewhere
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import workloads
 
