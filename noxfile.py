@@ -99,10 +99,11 @@ def bench(session: nox.Session) -> None:
     latest.json. About 12 minutes on the 2-core project machine; ``nox -s bench -- --quick`` is a fast check.
 
     Lightning (Fabric and the Trainer, the peers compared against) is installed in this session only, pinned in
-    bench/constraints.txt; the 8bit extra (bitsandbytes) for the 8-bit AdamW of the realistic set.
+    bench/constraints.txt, with py-spy (the sampling profiler of bench/dispatch.py); the 8bit extra (bitsandbytes)
+    for the 8-bit AdamW of the realistic set.
     """
     install_torchloom(session, "test", "8bit")
-    session.install("lightning", *CONSTRAINTS, "-c", "bench/constraints.txt")
+    session.install("lightning", "py-spy", *CONSTRAINTS, "-c", "bench/constraints.txt")
     session.run("python", "bench/suite.py", *session.posargs, env=OFFLINE)
 
 

@@ -1,36 +1,39 @@
 """Hook dispatch: microseconds per micro-step that torchloom spends calling hooks, outside the hooks' own code.
 
-    python bench/dispatch.py [--repeats 3] [--warmup 100] [--steps 1000] [--json out.json]
+    python bench/dispatch.py [--repeats 2] [--steps 1000] [--sample-steps 20000] [--json out.json]
 
-Method. Real fits of the W1 workload (`workloads.W1`, 1 torch thread) with three plugin sets: none; every
-built-in as a no-op (`workloads.NOOP_SETTINGS`); the realistic set (grad_accum 2, bf16, grad_clip, adamw8bit).
-While they run, two things are timed with ``time.perf_counter``:
+Real fits of the W1 workload (`workloads.W1`, 1 torch thread) with three plugin sets: none; every built-in as a
+no-op (`workloads.NOOP_SETTINGS`); the realistic set (grad_accum 2, bf16, grad_clip, adamw8bit). Two methods:
 
-- every entry into the engine's dispatch: ``HookRelay.call`` (how the engine fires every hook) and the
-  `torchloom.StepHooks` methods (how a step implementation fires ``before_backward``, ``before_optimizer_step``
-  and ``after_optimizer_step``, including the check that skips a hook nobody implements);
-- every hook implementation: each ``@hookimpl`` method of each registered plugin (the engine's own default step
-  and metrics writer included) is wrapped, on the instance, before the relay registers it; a ``wrapper=True``
-  implementation is timed in each of its segments (up to its ``yield``, and after it).
+**Sampled** (py-spy). One fit per plugin set runs in a child process under ``py-spy record --nonblocking`` (about
+1000 samples a second, read from outside the process, which is not stopped). A sample of the training loop (its
+stack has the engine's ``_train_epoch``) counts as dispatch when its innermost Python frame is dispatch code:
+pluggy's, torchloom/plugins.py (``HookRelay.call``) or torchloom/step.py (`StepHooks`); time in C code (a torch
+op) is charged to the Python frame that called it. Dispatch per micro-step = the fraction of samples x the time
+per micro-step, +- one binomial standard error. Samples in the engine's own files (engine.py, the log buffer,
+the progress record) are reported apart: engine overhead that is not dispatch. (An in-process sampler on
+SIGALRM was tried first and dropped: Python handles a signal only at the next function entry or loop, so time in a
+long C call such as ``backward()`` was charged to whatever Python function came next, often a hook.)
 
-The dispatch time of one entry is its elapsed time minus the elapsed time of what it called directly:
-implementations, and nested entries (which count on their own). So the forward, backward and optimizer step
-inside the default ``run_train_step`` are implementation time, and ``before_optimizer_step`` fired from inside
-it is an entry of its own. The wrappers' own cost (a Python call and two clock reads per implementation segment
-and per entry) would show as dispatch: it is measured first on empty functions in a tight loop, the same way, and
-subtracted from each call. In a fit the caches are colder than in a tight loop (a training step runs between two
-hooks), so hooks and wrappers cost more there; the subtraction then falls short and the figures err high. A
-method check measures that: a relay with one plugin whose implementations are empty, a real training step
-between calls, timed both by this method and by plain A/B (the call through the engine's path minus a direct
-call of the implementation, each timed on its own); the report shows both.
-On this shared 2-core machine a call is now and then descheduled for milliseconds, which would
-dominate a mean: so each (hook, layer) reports the *median* dispatch time per call, times its calls per
-micro-step. Calls are recorded from the first ``HookRelay.call`` after micro-batch ``warmup``'s forward starts
-until micro-batch ``warmup + steps``'s forward starts (the overhead benchmark's span); the garbage collector is
-off in that span (a collection would be charged to whichever call it interrupts).
+**Instrumented** (per hook). While the fits run in this process, every entry into the engine's dispatch
+(``HookRelay.call``; the `StepHooks` methods, including the check that skips a hook nobody implements) and every
+hook implementation (each ``@hookimpl`` method of each registered plugin, the engine's default step and metrics
+writer included, wrapped on the instance before the relay registers it; a ``wrapper=True`` implementation in each
+of its segments) is timed with ``time.perf_counter``. The dispatch time of one entry is its elapsed time minus
+that of what it called directly: implementations, and nested entries (which count on their own). So the forward,
+backward and optimizer step inside the default ``run_train_step`` are implementation time, and
+``before_optimizer_step`` fired from inside it is an entry of its own. The wrappers' own cost is measured on empty
+functions in a tight loop and subtracted from each call; in a fit the caches are colder than in a tight loop (a
+training step runs between two hooks), so hooks and wrappers cost more there, the subtraction falls short and the
+figures err high. A method check measures that: a relay with one plugin whose implementations are empty, a real
+training step between calls, timed by this method and by plain A/B (the call through the engine's path minus a
+direct call of the implementation, each timed on its own). A call on this shared machine is now and then
+descheduled for milliseconds, which would dominate a mean: each (hook, layer) reports the *median* per call,
+times its calls per micro-step. Calls are recorded from the first ``HookRelay.call`` after micro-batch
+``warmup``'s forward starts until micro-batch ``warmup + steps``'s forward starts; the garbage collector is off
+in that span (a collection would be charged to whichever call it interrupts).
 
-Not counted: the engine's own per-step code between hooks (the progress record, buffering the loss for logging),
-which is engine overhead but not hook dispatch. Not a test: numbers are printed, never asserted.
+Not a test: numbers are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ import gc
 import json
 import math
 import os
-import signal
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from typing import Any
@@ -393,85 +398,68 @@ def _check_method(n: int = 1500) -> dict[str, dict[str, float]]:
 
 # --------------------------------------------------------------------------------------------------- sampling
 
-
-class Sampler:
-    """A statistical profiler in this process: SIGALRM every ``interval`` seconds (``ITIMER_REAL``); each sample
-    is charged to dispatch when the innermost Python frame running is dispatch code (pluggy's, ``HookRelay.call``,
-    a `StepHooks` method), to the hook it serves (the ``hook_name`` of the nearest ``HookRelay.call`` frame, or
-    the `StepHooks` method), else to everything else. Time in C (a torch op, ``getattr``) is charged to the
-    Python frame that called it. Nothing is wrapped, so nothing is perturbed but by the samples themselves."""
-
-    def __init__(self) -> None:
-        import pluggy
-
-        self.pluggy_dir = os.path.dirname(pluggy.__file__) + os.sep
-        self.relay_call = HookRelay.call.__code__
-        self.step_hooks = {getattr(StepHooks, name).__code__ for name in (*STEP_HOOKS, "_fire")}
-        self.total = 0
-        self.hooks: dict[str, int] = defaultdict(int)
-
-    def dispatch_samples(self) -> int:
-        return sum(self.hooks.values())
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.total += 1
-        code = frame.f_code
-        if not (code is self.relay_call or code in self.step_hooks or code.co_filename.startswith(self.pluggy_dir)):
-            return
-        name, f = "?", frame
-        while f is not None:
-            if f.f_code is self.relay_call:
-                name = f.f_locals.get("hook_name", "?")
-                break
-            if f.f_code in self.step_hooks and f.f_code.co_name != "_fire":
-                name = f.f_code.co_name
-                break
-            f = f.f_back
-        self.hooks[name] += 1
+#: Where a sampled stack's innermost frame must be for the sample to count as dispatch: pluggy, the relay
+#: (torchloom/plugins.py: ``HookRelay.call`` and its comprehension) or `StepHooks` (torchloom/step.py).
+DISPATCH_FILES = (f"pluggy{os.sep}", f"torchloom{os.sep}plugins.py", f"torchloom{os.sep}step.py")
+#: The engine's own per-step code (counted apart: engine overhead that is not hook dispatch).
+ENGINE_FILES = tuple(
+    f"torchloom{os.sep}{name}" for name in ("engine.py", "_logbuffer.py", "_logging.py", "progress.py", "_guards.py")
+)
+#: A frame that every sample of the training loop has (set-up and teardown samples are left out).
+LOOP_FRAME = "_train_epoch ("
 
 
-class SampledSpan(workloads.Clock):
-    """The overhead benchmark's clock, sampling (and reading the process CPU time) during the span."""
-
-    def __init__(self, warmup: int, steps: int, sampler: Sampler, interval: float) -> None:
-        super().__init__(warmup, steps)
-        self.sampler, self.interval = sampler, interval
-        self.cpu = 0.0
-
-    def tick(self) -> None:
-        if self.count == self.start:
-            signal.signal(signal.SIGALRM, self.sampler)
-            self.cpu = time.process_time()
-            signal.setitimer(signal.ITIMER_REAL, self.interval, self.interval)
-        elif self.count == self.stop:
-            signal.setitimer(signal.ITIMER_REAL, 0, 0)
-            self.cpu = time.process_time() - self.cpu
-        super().tick()
+def _child_fit(label: str, warmup: int, steps: int, out: str) -> None:
+    """The fit that py-spy samples (``--child``): writes its seconds per micro-step."""
+    torch.set_num_threads(1)
+    plugins = _plugin_sets()[0][label]
+    clock = workloads.Clock(warmup, steps)
+    with workloads.quiet():
+        workloads.torchloom_run(workloads.W1, plugins, clock, warmup + steps + 1)
+    with open(out, "w") as f:
+        json.dump({"seconds_per_micro_step": clock.seconds() / steps}, f)
 
 
-def sample_once(plugins: dict[str, dict[str, Any]], warmup: int, steps: int, interval: float) -> dict[str, Any]:
-    """One fit with the sampler on: dispatch microseconds per micro-step (fraction of samples x CPU time per
-    micro-step), its standard error (binomial), and the same per hook."""
-    sampler = Sampler()
-    span = SampledSpan(warmup, steps, sampler, interval)
-    previous = signal.getsignal(signal.SIGALRM)
-    try:
-        with workloads.quiet():
-            workloads.torchloom_run(workloads.W1, plugins, span, warmup + steps + 1)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-        signal.signal(signal.SIGALRM, previous)
-    span.seconds()
-    cpu_us = span.cpu / steps * 1e6
-    n, k = sampler.total, sampler.dispatch_samples()
-    fraction = k / n
+def sample_with_py_spy(label: str, warmup: int, steps: int, rate: int) -> dict[str, Any]:
+    """Run one fit in a child process under ``py-spy record`` (it reads the child's stacks from outside, without
+    stopping it: ``--nonblocking``); charge each sample of the training loop by its innermost Python frame."""
+    exe = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    if exe is None:
+        return {"error": "py-spy is not installed (nox -s bench installs it)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        raw, timing = os.path.join(tmp, "raw.txt"), os.path.join(tmp, "timing.json")
+        argv = [exe, "record", "--nonblocking", "-r", str(rate), "-f", "raw", "-o", raw, "--"]
+        argv += [sys.executable, os.path.abspath(__file__), "--child", label, "--warmup", str(warmup)]
+        argv += ["--sample-steps", str(steps), "--json", timing]
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not os.path.exists(timing):
+            return {"error": f"py-spy failed (exit {done.returncode}): {done.stderr.strip()[-300:]}"}
+        with open(timing) as f:
+            per_step = json.load(f)["seconds_per_micro_step"]
+        loop = dispatch = engine = 0
+        with open(raw) as f:
+            for line in f:
+                stack, _, count = line.rstrip("\n").rpartition(" ")
+                if LOOP_FRAME not in stack:
+                    continue
+                n = int(count)
+                loop += n
+                leaf = stack.rsplit(";", 1)[-1]
+                if any(name in leaf for name in DISPATCH_FILES):
+                    dispatch += n
+                elif any(name in leaf for name in ENGINE_FILES):
+                    engine += n
+    if loop == 0:
+        return {"error": "py-spy recorded no sample of the training loop"}
+    us = per_step * 1e6
+    fraction = dispatch / loop
     return {
-        "samples": n,
-        "dispatch_samples": k,
-        "cpu_us_per_micro_step": cpu_us,
-        "us_per_micro_step": fraction * cpu_us,
-        "standard_error_us": math.sqrt(fraction * (1 - fraction) / n) * cpu_us,
-        "hooks": {name: count / n * cpu_us for name, count in sorted(sampler.hooks.items())},
+        "samples": loop,
+        "dispatch_samples": dispatch,
+        "us_per_micro_step": fraction * us,
+        "standard_error_us": math.sqrt(fraction * (1 - fraction) / loop) * us,
+        "engine_own_us_per_micro_step": engine / loop * us,
+        "step_us": us,
     }
 
 
@@ -492,18 +480,23 @@ def measure_once(plugins: dict[str, dict[str, Any]], warmup: int, steps: int, co
     return {"per_call": per_call, "stray": sorted(REC.stray)}
 
 
-def measure(repeats: int, warmup: int, steps: int, sample_steps: int, interval: float) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    cost = _calibrate()
-    REC.cost = cost
-    check = _check_method()
+def _plugin_sets() -> tuple[dict[str, dict[str, dict[str, Any]]], list[str]]:
     noop, notes = workloads.noop_plugins()
     sets = {"no plugins": {}, "every built-in as a no-op": noop}
     if workloads.bitsandbytes_available() is None:
         sets["realistic set"] = workloads.TORCHLOOM_PLUGINS["realistic"]
     else:
         notes.append("realistic set skipped: bitsandbytes' 8-bit AdamW does not run here")
-    sampled = {label: sample_once(plugins, warmup, sample_steps, interval) for label, plugins in sets.items()}
+    return sets, notes
+
+
+def measure(repeats: int, warmup: int, steps: int, sample_steps: int, rate: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    cost = _calibrate()
+    REC.cost = cost
+    check = _check_method()
+    sets, notes = _plugin_sets()
+    sampled = {label: sample_with_py_spy(label, warmup, sample_steps, rate) for label in sets}
     rows = []
     with instrumented():
         for label, plugins in sets.items():
@@ -543,7 +536,7 @@ def measure(repeats: int, warmup: int, steps: int, sample_steps: int, interval: 
         "warmup_micro_steps": warmup,
         "timed_micro_steps": steps,
         "sampled_micro_steps": sample_steps,
-        "sample_interval_s": interval,
+        "sample_rate_hz": rate,
         "instrumentation_cost_us": {k: v * 1e6 for k, v in cost.items()},
         "method_check": check,
         "rows": rows,
@@ -553,14 +546,14 @@ def measure(repeats: int, warmup: int, steps: int, sample_steps: int, interval: 
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"Hook dispatch, {result['workload']}. Sampled: one fit of {result['sampled_micro_steps']} micro-steps, a "
-        f"sample every {result['sample_interval_s'] * 1e3:.3g} ms (+- one standard error). Instrumented: "
+        f"Hook dispatch, {result['workload']}. Sampled: py-spy at {result['sample_rate_hz']} Hz over one fit of "
+        f"{result['sampled_micro_steps']} micro-steps (+- one standard error). Instrumented: "
         f"{result['repeats']} fits x {result['timed_micro_steps']} micro-steps, median per call x calls per "
         "micro-step (min-max over the fits; errs high, see the method check).",
         "",
-        "| plugins | sampled us / micro-step | instrumented us / micro-step | per hook, instrumented: (relay calls / "
-        "micro-step) us / micro-step |",
-        "|---|---:|---:|---|",
+        "| plugins | sampled us / micro-step | instrumented us / micro-step | engine's own code, sampled | per hook, "
+        "instrumented: (relay calls / micro-step) us / micro-step |",
+        "|---|---:|---:|---:|---|",
     ]
     for row in result["rows"]:
         t, sampled = row["us_per_micro_step"], row["sampled"]
@@ -568,10 +561,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"{name} ({h.get('HookRelay.call calls / micro-step', 0):.2g}) {h['us_per_micro_step']:.1f}"
             for name, h in row["hooks"].items()
         )
-        lines.append(
-            f"| {row['plugins']} | {sampled['us_per_micro_step']:.1f} +- {sampled['standard_error_us']:.1f} | "
-            f"{t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | {hooks} |"
-        )
+        if "error" in sampled:
+            cells = f"not run: {sampled['error']} | | "
+        else:
+            cells = (
+                f"{sampled['us_per_micro_step']:.1f} +- {sampled['standard_error_us']:.1f} | "
+                f"{t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | "
+                f"{sampled['engine_own_us_per_micro_step']:.1f} of {sampled['step_us']:.0f} |"
+            )
+        lines.append(f"| {row['plugins']} | {cells} {hooks} |")
     checks = "; ".join(
         f"{name}: {c['instrumented_us']:.2f} us instrumented vs {c['ab_us']:.2f} us A/B"
         for name, c in result["method_check"].items()
@@ -586,10 +584,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--steps", type=int, default=1000, help="timed micro-steps per instrumented fit")
     parser.add_argument("--sample-steps", type=int, default=20000, help="timed micro-steps of the sampled fit")
-    parser.add_argument("--interval", type=float, default=0.000997, help="seconds between samples")
+    parser.add_argument("--rate", type=int, default=997, help="py-spy samples per second")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the fit py-spy samples
     args = parser.parse_args()
-    result = measure(args.repeats, args.warmup, args.steps, args.sample_steps, args.interval)
+    if args.child is not None:
+        _child_fit(args.child, args.warmup, args.sample_steps, args.json)
+        return
+    result = measure(args.repeats, args.warmup, args.steps, args.sample_steps, args.rate)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
