@@ -1,6 +1,6 @@
 """Sessions: tests, lint, typecheck, docs, bench, demo, keywords.
 
-    python3 -m pip install nox && python3 -m nox -s tests     # what CI runs (.ci/run)
+    python3 -m pip install nox && python3 -m nox -s tests docs  # what CI runs (.ci/run): tests, then the site
     python3 -m pip install nox && python3 -m nox -s demo      # the main job: a real fine-tune, offline
     python3 -m pip install nox && python3 -m nox -s keywords  # the audio example (installs espeak-ng/flite/sox)
 
@@ -87,9 +87,18 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
-    """Regenerate docs/hooks.md from the hookspec docstrings and fail if it changed."""
+    """Build the documentation site with MkDocs in strict mode (a warning fails the build) into ``site/``.
+
+    First the generated parts must be current: the hook reference (docs/gen_hooks.py) and the plugin settings
+    tables (docs/gen_settings.py); a stale one fails the session.
+    """
     install_torchloom(session)
+    # ruff lets mkdocstrings format the signatures in the API reference
+    session.install(*CONSTRAINTS, "mkdocs", "mkdocs-material", "mkdocstrings[python]", "ruff")
     session.run("python", "docs/gen_hooks.py", "--check")
+    session.run("python", "docs/gen_settings.py", "--check")
+    # NO_MKDOCS_2_WARNING: mkdocs-material's banner about its end of life (not a build warning) stays quiet
+    session.run("mkdocs", "build", "--strict", *session.posargs, env={**OFFLINE, "NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python=PYTHON)

@@ -40,6 +40,8 @@ Families: `configure_*` set things up and return something; `on_*` are notificat
 and must not mutate their arguments; `before_*` / `after_*` surround one operation; `run_*` is an
 overridable step with a default implementation, wrapped with `@torchloom.hookimpl(wrapper=True)`.
 Forward hooks run in the order plugins are listed; `after_*`, `*_end` and `teardown` run in reverse order.
+[The loop](loop.md) shows where each one fires. Every hook has a test that fires it and checks in which calls
+(`fit`, `validate`, `predict`, a failing `fit`) it fires: `tests/test_hookspecs.py::test_hook_fires[<hook>]`.
 
 """
 

@@ -5,13 +5,18 @@ print what the page says they print (datasette's tests/test_docs.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import io
+import os
 import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
 import pluggy
 import pytest
@@ -22,25 +27,133 @@ from torchloom import hookspecs
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 #: Markdown files whose relative links must resolve: every page under docs/, the README, the example plugin's.
-LINKED_PAGES = sorted([*DOCS.rglob("*.md"), ROOT / "README.md", ROOT / "examples" / "torchloom-ema" / "README.md"])
+LINKED_PAGES = sorted(
+    [
+        *DOCS.rglob("*.md"),
+        ROOT / "README.md",
+        ROOT / "examples" / "README.md",
+        ROOT / "examples" / "torchloom-ema" / "README.md",
+    ]
+)
 #: Pages whose ```python blocks must compile and whose ```yaml blocks must parse.
-CODE_PAGES = sorted([*DOCS.glob("*.md"), ROOT / "README.md"])
-#: Pages whose ```python blocks run, in order, as one session; each ```text block is what they printed since the
-#: previous ```text block (numbers compared to 4 significant digits).
-RUNNABLE_PAGES = ["index.md", "writing-plugins.md"]
+CODE_PAGES = sorted([*DOCS.rglob("*.md"), ROOT / "README.md"])
+#: The runnable documentation: each project is a list of pages (under docs/) whose blocks run in order, in one
+#: fresh working directory. Per page, the ```python blocks run in one namespace, and each ```text block is what
+#: they printed since the previous one (numbers compared to 4 significant digits). A block whose first line is
+#: ``# NAME.py`` or ``# NAME.yaml`` is also written to that file (``# NAME.py, continued`` appends), so that the
+#: page's commands can use it. Each command of a ```console block (``$ ...``) runs and must print the lines
+#: shown under it, in order (``...`` skips lines; timings are not compared), exiting with 2 when they show an
+#: error, else 0; each command of a ```bash / ```sh block runs and must exit with 0.
+PROJECTS = {
+    "readme": ["../README.md"],
+    "quickstart": ["quickstart.md"],
+    "data": ["data.md"],
+    "guides": [
+        "user-guide.md",
+        "index.md",
+        "runs.md",
+        "troubleshooting.md",
+        "security.md",
+        "writing-plugins.md",
+        "plugins/progress.md",
+        "distributed.md",
+    ],
+}
+#: Pages whose files and commands another test writes and runs (its own runner: the HF Trainer side runs in a
+#: subprocess and is compared with the torchloom side), page -> that test file.
+RUN_BY = {
+    "migrate-hf-trainer.md": "tests/test_migration_guides.py",
+    "migrate-lightning.md": "tests/test_migration_guides.py",
+}
+RUN_PAGES = [page for pages in PROJECTS.values() for page in pages] + list(RUN_BY)
+#: The guides: every ```python block on them runs (or is in NOT_RUN_PYTHON, with the reason).
+GUIDES = sorted(p.name for p in DOCS.glob("*.md") if p.name not in ("hooks.md", "loop.md"))
+#: The programs whose lines in the docs are commands that a test must run (or that NOT_RUN_COMMANDS exempts).
+COMMAND_PROGRAMS = ("torchloom", "python", "python3", "torchrun", "accelerate")
+#: Shell commands that a runnable page may use to set the scene (they run with bash in the project directory).
+SHELL_PROGRAMS = ("printf", "ls", "cat", "head")
+#: (page, a string only that python block contains) -> why the block is not run.
+NOT_RUN_PYTHON: dict[tuple[str, str], str] = {}
+#: Commands shown in the docs that no test runs as shown, and why.
+_INSTALL = (
+    "installs into the current environment from PyPI; followed by hand in a fresh clone when the page was written"
+)
+_EXAMPLE = "needs the example's data (fetched with apt-get) and minutes of CPU"
+NOT_RUN_COMMANDS: dict[str, str] = {
+    # README.md
+    "python3 -m pip install nox && python3 -m nox -s demo": "the main job: a fresh install, then a 2-minute fine-tune",
+    "python3 -m pip install nox && python3 -m nox -s tests docs": "the whole test suite and the site: what CI runs",
+    "python3 -m pip install -c constraints.txt torch==2.13.0 && "
+    'python3 -m pip install -c constraints.txt -e ".[examples]"': _INSTALL,
+    "torchloom fit --config examples/fine_foods.yaml --engine.max_epochs=2 --data.init_args.batch_size=32": _EXAMPLE,
+    "torchloom fit --config examples/fine_foods.yaml --print_config": (
+        "reads examples/ from the repository root; tests/test_example_fine_foods.py runs this config through the CLI"
+    ),
+    "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m torchloom.cli fit --config examples/fine_foods.yaml": (
+        _EXAMPLE + ", twice over; docs/distributed.md runs the same launch on the user guide's regression"
+    ),
+    # docs/quickstart.md
+    "python3 -m venv .venv && . .venv/bin/activate": _INSTALL,
+    "python3 -m pip install -c constraints.txt torch==2.13.0": _INSTALL,
+    "python3 -m pip install -c constraints.txt -e .": _INSTALL,
+    # docs/examples/*.md: each example at full size; tests/test_example_*.py run them through the CLI and Python on
+    # slices of the same data
+    "torchloom fit --config examples/fine_foods.yaml": _EXAMPLE,
+    "python examples/fine_foods.py": _EXAMPLE,
+    "torchloom fit --config examples/fine_foods.yaml --data.init_args.max_train_samples=64 "
+    "--data.init_args.max_val_samples=64 --engine.output_dir=runs/fine_foods_small": (
+        _EXAMPLE + "; tests/test_example_fine_foods.py runs this slice at max_length 32"
+    ),
+    "python examples/fine_foods.py data.init_args.max_train_samples=64 engine.output_dir=runs/fine_foods_small": (
+        _EXAMPLE + "; tests/test_example_fine_foods.py runs this slice through Python"
+    ),
+    "torchloom fit --config examples/fashion_mnist.yaml": _EXAMPLE,
+    "torchloom fit --config examples/fashion_mnist_vit.yaml": _EXAMPLE
+    + "; tests/test_example_fashion_mnist.py runs it",
+    "python examples/fashion_mnist.py": _EXAMPLE,
+    "torchloom fit --config examples/fashion_mnist.yaml --data.init_args.max_train_samples=1024 "
+    "--data.init_args.max_val_samples=500 --engine.max_epochs=1 --engine.output_dir=runs/fashion_mnist_small": (
+        _EXAMPLE + "; tests/test_example_fashion_mnist.py runs this slice"
+    ),
+    "torchloom fit --config examples/keywords.yaml": _EXAMPLE + " (the clips are made with espeak-ng, flite and sox)",
+    "python examples/keywords.py": _EXAMPLE,
+    "python3 -m nox -s keywords": "a fresh install, then the keyword example (about 2 minutes)",
+    "torchloom fit --config examples/keywords.yaml --data.init_args.max_train_samples=64 "
+    "--data.init_args.max_val_samples=64 --engine.max_epochs=1 --engine.output_dir=runs/keywords_small": (
+        _EXAMPLE + "; tests/test_example_keywords.py runs this slice"
+    ),
+    # docs/plugins/checkpoint.md: the pattern with a placeholder config; docs/runs.md runs it on the regression
+    "torchloom fit --config run.yaml": "run.yaml stands for any config; docs/runs.md runs the same pair of commands",
+    "torchloom fit --config run.yaml --resume": "run.yaml stands for any config; docs/runs.md runs the same commands",
+    # docs/distributed.md
+    "accelerate launch --multi_gpu --num_processes 2 train.py": "needs 2 GPUs",
+    "accelerate launch --multi_gpu --num_processes 2 -m torchloom.cli fit --config regression.yaml": "needs 2 GPUs",
+    "accelerate launch --config_file fsdp.yaml -m torchloom.cli fit --config regression.yaml": "needs 8 GPUs (FSDP)",
+    "accelerate launch --config_file deepspeed.yaml -m torchloom.cli fit --config regression.yaml": (
+        "needs 8 GPUs and DeepSpeed"
+    ),
+    "torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --master_addr 10.0.0.1 --master_port 29500 -m torchloom.cli "
+    "fit --config regression.yaml": "needs 2 machines with 8 GPUs each",
+    "accelerate launch --multi_gpu --num_machines 2 --machine_rank 0 --main_process_ip 10.0.0.1 --main_process_port "
+    "29500 --num_processes 16 -m torchloom.cli fit --config regression.yaml": "needs 2 machines with 8 GPUs each",
+}
 NUMBER = re.compile(r"-?\d+\.\d+(?:e-?\d+)?")
 FENCE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)[^\n]*\n(.*?)^\1\s*$", re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s.*)?$", re.MULTILINE)  # [name]: target
 
 
-def _gen_hooks() -> ModuleType:
-    """docs/gen_hooks.py, imported (it is a script, not a package module)."""
-    spec = importlib.util.spec_from_file_location("torchloom_docs_gen_hooks", DOCS / "gen_hooks.py")
+def _docs_script(name: str) -> ModuleType:
+    """docs/<name>.py, imported (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location(f"torchloom_docs_{name}", DOCS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _gen_hooks() -> ModuleType:
+    return _docs_script("gen_hooks")
 
 
 def _hook_argnames() -> dict[str, tuple[str, ...]]:
@@ -125,6 +238,16 @@ def test_every_hook_is_documented_with_its_exact_signature(hook):
     assert signature in headings, f"docs/hooks.md has no heading `{signature}`; run python docs/gen_hooks.py"
 
 
+@pytest.mark.parametrize("hook", sorted(_hook_argnames()))
+def test_the_loop_page_marks_every_hook_where_it_fires(hook):
+    """docs/loop.md's pseudocode calls every hook, with a ``# HOOK`` mark on the line."""
+    pseudocode = "\n".join(code for _, _, code in _blocks(DOCS / "loop.md", "text"))
+    calls = [m.start() for m in re.finditer(rf"\b{hook}\(", pseudocode)]
+    assert calls, f"docs/loop.md's pseudocode never calls {hook}"
+    marked = any("# HOOK" in pseudocode[c : pseudocode.find("\n", c)] for c in calls)
+    assert marked, f"docs/loop.md calls {hook} without a # HOOK mark on the line"
+
+
 def test_the_hook_reference_documents_no_hook_that_does_not_exist():
     text = (DOCS / "hooks.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"^### `(\w+)\(", text, re.MULTILINE))
@@ -166,6 +289,95 @@ def test_every_plugin_page_is_linked_from_the_index():
     targets = {t.split("#")[0] for t in _relative_links(DOCS / "plugins" / "index.md")}
     pages = {p.name for p in (DOCS / "plugins").glob("*.md") if p.name != "index.md"}
     assert pages <= targets, f"not linked from docs/plugins/index.md: {sorted(pages - targets)}"
+
+
+def test_every_plugin_page_has_its_settings_table_generated_from_its_settings_class(capsys):
+    gen_settings = _docs_script("gen_settings")
+    assert sorted(gen_settings.builtin_plugins()) == _builtin_plugin_names()
+    status = gen_settings.main(["--check"])
+    assert status == 0, capsys.readouterr().err + " (then commit docs/plugins/)"
+
+
+def test_the_settings_table_shows_each_field_and_refuses_an_undocumented_one():
+    gen_settings = _docs_script("gen_settings")
+
+    @dataclasses.dataclass
+    class Documented:
+        """Settings.
+
+        Args:
+            mode (`str`, defaults to ``"a"``): which ``mode``;
+                a | b.
+            size (`int`, *optional*): how many.
+            tags (`list[str]`): labels.
+        """
+
+        mode: Literal["a", "b"] = "a"
+        size: int | None = None
+        tags: list[str] = dataclasses.field(default_factory=lambda: ["x"])
+
+    assert gen_settings.table(Documented).splitlines()[2:] == [
+        '| `mode` | `"a"` or `"b"` | `"a"` | which `mode`; a \\| b. |',
+        "| `size` | int or null | `null` | how many. |",
+        '| `tags` | list of str | `["x"]` | labels. |',
+    ]
+
+    @dataclasses.dataclass
+    class Undocumented(Documented):
+        """Settings.
+
+        Args:
+            mode: which.
+            size: how many.
+        """
+
+    with pytest.raises(SystemExit, match=r"undescribed: \['tags'\]"):
+        gen_settings.table(Undocumented)
+
+
+# ------------------------------------------------------------------------------------------ API reference
+
+
+def _api_directives() -> dict[str, str]:
+    """``module.name`` of every ``::: module.name`` on the API pages -> the page."""
+    return {
+        target: page.name
+        for page in sorted((DOCS / "api").glob("*.md"))
+        for target in re.findall(r"^::: ([\w.]+)\s*$", page.read_text(encoding="utf-8"), re.MULTILINE)
+    }
+
+
+@pytest.mark.parametrize(
+    ("package", "page"), [("torchloom", "index.md"), ("torchloom.data", "data.md"), ("torchloom.testing", "testing.md")]
+)
+def test_the_api_reference_documents_every_public_name_where_it_is_defined(package, page):
+    """Every name of the package's ``__all__`` is on its API page as ``::: <defining module>.<name>``, so the
+    reference does not depend on how the package re-exports it."""
+    module = importlib.import_module(package)
+    by_name = {target.rsplit(".", 1)[1]: target for target in _api_directives()}
+    missing, wrong = [], []
+    for name in module.__all__:
+        if name == "__version__":
+            assert "`torchloom.__version__`" in (DOCS / "api" / page).read_text(encoding="utf-8")
+            continue
+        target = by_name.get(name)
+        if target is None:
+            missing.append(name)
+            continue
+        defining, _, attr = target.rpartition(".")
+        if getattr(importlib.import_module(defining), attr) is not getattr(module, name):
+            wrong.append(target)
+        obj = getattr(module, name)
+        if hasattr(obj, "__module__") and callable(obj) and obj.__module__.startswith("torchloom"):
+            assert obj.__module__ == defining, f"{target}: {name} is defined in {obj.__module__}"
+    assert not missing, f"docs/api/{page} does not document {missing}"
+    assert not wrong, f"these directives do not name the exported object: {wrong}"
+
+
+def test_every_api_directive_names_an_existing_object():
+    for target in _api_directives():
+        defining, _, attr = target.rpartition(".")
+        assert hasattr(importlib.import_module(defining), attr), target
 
 
 # ------------------------------------------------------------------------------------------ stable surface
@@ -241,26 +453,250 @@ def test_yaml_blocks_parse(page):
             pytest.fail(f"{page.relative_to(ROOT)}, the yaml block at line {line}: {exc}")
 
 
-@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled:UserWarning")  # DetectAnomaly's own
-@pytest.mark.parametrize("name", RUNNABLE_PAGES)
-def test_guide_examples_run_and_print_what_the_page_shows(name, tmp_path, monkeypatch):
-    page = DOCS / name
-    monkeypatch.chdir(tmp_path)  # the examples write under runs/
-    module = ModuleType(f"torchloom_docs_{page.stem.replace('-', '_')}")  # dataclasses look classes up here
+# ------------------------------------------------------------------------------------ runnable documentation
+
+
+def _strip_prompt_env(command: str) -> tuple[dict[str, str], list[str]]:
+    """``A=1 B=2 torchloom fit ...`` -> ({"A": "1", "B": "2"}, ["torchloom", "fit", ...])."""
+    words = shlex.split(command)
+    env = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, words
+
+
+def _commands(page: Path) -> list[tuple[int, str, str, list[str]]]:
+    """(line, language, command, the output shown after it) for every command on the page: each ``$ `` line of a
+    ```console block, and each line of a ```bash / ```sh block, whose program is in `COMMAND_PROGRAMS`.
+    Backslash continuations are joined and ``# comments`` dropped."""
+    found = []
+    for line, language, code in _blocks(page, "console", "bash", "sh"):
+        lines = code.splitlines()
+        i = 0
+        while i < len(lines):
+            text = lines[i]
+            start = i
+            if language == "console":
+                if not text.startswith("$ "):
+                    i += 1
+                    continue
+                text = text[2:]
+            while text.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                text = text.rstrip()[:-1].rstrip() + " " + lines[i].strip()
+            i += 1
+            output = []
+            if language == "console":
+                while i < len(lines) and not lines[i].startswith("$ "):
+                    output.append(lines[i])
+                    i += 1
+            command = re.sub(r"\s+#\s.*$", "", text).strip()
+            if not command or command.startswith("#"):
+                continue
+            _, words = _strip_prompt_env(command.split("|")[0])
+            if words and words[0] in (*COMMAND_PROGRAMS, *SHELL_PROGRAMS):
+                found.append((line + start, language, command, output))
+    return found
+
+
+def _mask(text: str) -> str:
+    """Timings, which differ from run to run, replaced by a placeholder."""
+    for pattern in (r"[\d.]+ steps/s", r"\([\d.]+ samples/s\)", r"wall time [\d.]+ s", r"ETA [\d:]+"):
+        text = re.sub(pattern, "<timing>", text)
+    return text
+
+
+def _same_line(printed: str, documented: str) -> bool:
+    printed, documented = _mask(printed).rstrip(), _mask(documented).rstrip()
+    if NUMBER.sub("#", printed) != NUMBER.sub("#", documented):
+        return False
+    pairs = zip(NUMBER.findall(printed), NUMBER.findall(documented), strict=True)
+    return all(float(a) == pytest.approx(float(b), rel=1e-4, abs=1e-12) for a, b in pairs)
+
+
+def _shows(printed: list[str], documented: list[str]) -> str | None:
+    """None when every documented line (but ``...``) is a printed line, in order; else the first one that is not."""
+    position = 0
+    for line in documented:
+        if line.strip() in ("", "..."):
+            continue
+        while position < len(printed) and not _same_line(printed[position], line):
+            position += 1
+        if position == len(printed):
+            return line
+        position += 1
+    return None
+
+
+def _pipe(output: str, stages: list[str]) -> str:
+    """Apply the ``| tail -N``, ``| grep -A N PATTERN`` and ``| tee FILE`` stages of a documented command."""
+    for stage in stages:
+        words = shlex.split(stage)
+        if words[0] == "tail":
+            output = "\n".join(output.splitlines()[-int(words[1].lstrip("-n")) :]) + "\n"
+        elif words[0] == "grep" and words[1] == "-A":
+            after, pattern, kept, lines = int(words[2]), re.compile(words[3]), [], output.splitlines()
+            for i, line in enumerate(lines):
+                if pattern.search(line):
+                    kept.extend(lines[i : i + after + 1])
+            output = "\n".join(kept) + "\n"
+        elif words[0] != "tee":
+            raise AssertionError(f"no emulation of the pipe stage {stage!r}")
+    return output
+
+
+def _run_command(command: str, cwd: Path, capsys, monkeypatch) -> tuple[int, str]:
+    """Run a documented command in ``cwd``: ``torchloom ...`` in this process (`torchloom.cli.main`), ``python
+    FILE`` as a subprocess. Returns its exit status and what it printed (stdout, then stderr)."""
+    from torchloom.cli import main
+
+    program, *stages = command.split("|")
+    env, words = _strip_prompt_env(program)
+    capsys.readouterr()
+    if words[0] == "torchloom":
+        with monkeypatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            patch.setattr(sys, "path", list(sys.path))
+            patch.setattr(sys, "argv", ["torchloom", *words[1:]])
+            try:
+                status = main(words[1:])
+            except SystemExit as exc:  # the argument parser's errors and --help
+                status = exc.code if isinstance(exc.code, int) else 1
+        captured = capsys.readouterr()
+        return status, _pipe(captured.out + captured.err, stages)
+    if words[0] in SHELL_PROGRAMS:
+        argv = ["bash", "-c", program]
+    elif words[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    elif words[0] in ("python", "python3"):
+        argv = [sys.executable, *words[1:]]
+    else:
+        raise AssertionError(f"the docs test cannot run {command!r}: list it in NOT_RUN_COMMANDS with the reason")
+    proc = subprocess.run(argv, cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    return proc.returncode, _pipe(proc.stdout + proc.stderr, stages)
+
+
+def _written_file(code: str) -> tuple[str, bool] | None:
+    """A block whose first line is ``# NAME.py`` / ``# NAME.yaml`` is that file (``, continued``: appended to it)."""
+    first = code.split("\n", 1)[0]
+    match = re.fullmatch(r"# ([\w.-]+\.(?:py|ya?ml))(, continued)?", first.strip())
+    return (match.group(1), bool(match.group(2))) if match else None
+
+
+def _run_page(page: Path, cwd: Path, capsys, monkeypatch) -> list[str]:
+    """Run the page's blocks in order (see `PROJECTS`); return the commands it ran."""
+    name = str(page.relative_to(DOCS)) if page.is_relative_to(DOCS) else page.name
+    stem = re.sub(r"\W", "_", page.stem)
+    module = ModuleType(f"torchloom_docs_{stem}")  # dataclasses look classes up here
     monkeypatch.setitem(sys.modules, module.__name__, module)
     namespace = module.__dict__
     printed = io.StringIO()
-    for line, language, code in _blocks(page, "python", "text"):
-        where = f"docs/{name}, the {language} block at line {line}"
+    commands = {line: (command, output) for line, _, command, output in _commands(page)}
+    ran, python_ran = [], False
+    for line, language, code in _blocks(page, "python", "text", "yaml", "yml", "console", "bash", "sh"):
+        where = f"{name}, the {language} block at line {line}"
+        written = _written_file(code)
+        if written:
+            with open(cwd / written[0], "a" if written[1] else "w", encoding="utf-8") as f:
+                f.write(code)
         if language == "text":
-            assert _same_output(printed.getvalue(), code), (
-                f"{where} shows:\n{code}\nbut the examples before it printed:\n{printed.getvalue()}"
-            )
-            printed = io.StringIO()
-            continue
-        with contextlib.redirect_stdout(printed):
-            exec(compile(code, where, "exec"), namespace)
+            if python_ran:  # a text block after prose or a command is an illustration, not output
+                assert _same_output(printed.getvalue(), code), (
+                    f"{where} shows:\n{code}\nbut the examples before it printed:\n{printed.getvalue()}"
+                )
+            printed, python_ran = io.StringIO(), False
+        elif language in ("python", "py"):
+            if any(key in code for page_name, key in NOT_RUN_PYTHON if page_name == name):
+                continue
+            with contextlib.redirect_stdout(printed):
+                exec(compile(code, where, "exec"), namespace)
+            python_ran = True
+        elif language in ("console", "bash", "sh"):
+            python_ran = False
+            for command_line, (command, output) in sorted(commands.items()):
+                if not line <= command_line < line + code.count("\n") + 1 or command in NOT_RUN_COMMANDS:
+                    continue
+                status, out = _run_command(command, cwd, capsys, monkeypatch)
+                expected = 2 if any("error:" in o for o in output) else 0
+                assert status == expected, f"{name}:{command_line}: `{command}` exited with {status}:\n{out}"
+                missing = _shows(out.splitlines(), output)
+                assert missing is None, (
+                    f"{name}:{command_line}: `{command}` did not print\n  {missing}\nIt printed:\n{out}"
+                )
+                ran.append(command)
     # Test functions that the page defines (as a plugin author would write them) must pass too.
     for test_name, function in list(namespace.items()):
         if test_name.startswith("test_") and callable(function):
-            function(tmp_path / test_name)
+            function(cwd / test_name)
+    return ran
+
+
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled:UserWarning")  # DetectAnomaly's own
+@pytest.mark.parametrize("project", sorted(PROJECTS))
+def test_the_documented_examples_run_and_print_what_the_pages_show(project, tmp_path, capsys, monkeypatch):
+    """Every page of the project, in order, in one working directory: the python blocks run and print what the
+    text blocks show; the files they name are written; every command runs and prints what the page shows."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    try:
+        for name in PROJECTS[project]:
+            _run_page(DOCS / name, tmp_path, capsys, monkeypatch)
+    finally:
+        for module in set(sys.modules) - before:  # the project's own modules (regression.py ...)
+            if str(getattr(sys.modules[module], "__file__", "") or "").startswith(str(tmp_path)):
+                del sys.modules[module]
+
+
+def _all_commands() -> dict[str, str]:
+    """Every command shown in the docs and the README -> where."""
+    return {
+        command: f"{page.relative_to(ROOT)}:{line}"
+        for page in [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
+        for line, _, command, _ in _commands(page)
+        if _strip_prompt_env(command.split("|")[0])[1][0] in COMMAND_PROGRAMS
+    }
+
+
+def test_the_pages_run_by_other_tests_are_run_there():
+    for page, test in RUN_BY.items():
+        assert page in (ROOT / test).read_text(encoding="utf-8"), f"{test} does not run docs/{page}"
+
+
+def test_every_documented_command_runs_or_is_exempt_with_a_reason():
+    run = {command for name in RUN_PAGES for _, _, command, _ in _commands(DOCS / name)} - set(NOT_RUN_COMMANDS)
+    shown = _all_commands()
+    exempt = set(NOT_RUN_COMMANDS)
+    neither = sorted(f"{where}: {command}" for command, where in shown.items() if command not in run | exempt)
+    assert not neither, f"commands that no test runs and that are not in NOT_RUN_COMMANDS: {neither}"
+    stale = sorted(set(NOT_RUN_COMMANDS) - set(shown))
+    assert not stale, f"NOT_RUN_COMMANDS lists commands that no page shows any more: {stale}"
+    assert all(reason.strip() for reason in NOT_RUN_COMMANDS.values())
+
+
+def test_every_python_block_of_the_guides_runs_or_is_exempt_with_a_reason():
+    for name, key in NOT_RUN_PYTHON:
+        blocks = [code for _, code in _python_blocks(DOCS / name) if key in code]
+        assert len(blocks) == 1, f"NOT_RUN_PYTHON: {name!r} has {len(blocks)} python blocks containing {key!r}"
+    assert len(NOT_RUN_PYTHON) == 0, "a new exemption: say why in NOT_RUN_PYTHON, then count it here"
+    for page in GUIDES:
+        if _python_blocks(DOCS / page):
+            assert page in RUN_PAGES, f"docs/{page} has python blocks but no project in PROJECTS runs it"
+
+
+def test_the_command_finder_sees_continuations_prompts_and_environment(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```console\n$ A=1 torchloom fit --config x.yaml \\\n    --engine.max_epochs=2\nout 1\n$ ls\n```\n"
+        "```bash\ntorchloom plugins   # list them\npip install nox\n```\n"
+    )
+    assert [(c, o) for _, _, c, o in _commands(page)] == [
+        ("A=1 torchloom fit --config x.yaml --engine.max_epochs=2", ["out 1"]),
+        ("ls", []),
+        ("torchloom plugins", []),
+    ]
+    assert _shows(["a", "b 1.00001", "c"], ["a", "...", "c"]) is None
+    assert _shows(["a", "b", "c"], ["c", "a"]) == "a"
+    assert _shows(["epoch 1  51 steps/s"], ["epoch 1  700 steps/s"]) is None

@@ -166,3 +166,76 @@ def test_documented_firing_order_matches_a_fit(tmp_path):
         if name not in first_seen:
             first_seen.append(name)
     assert first_seen == listed
+
+
+#: hook -> the calls that fire it, over one engine: a fit, then a validate and a predict of the same task (which
+#: reuse the fitted model), then a fit whose training_step raises. `test_hook_fires` checks each hook against it,
+#: so every hook has a named test that fires it: ``tests/test_hookspecs.py::test_hook_fires[<hook>]``.
+FIRED_IN = {
+    "setup": {"fit", "validate", "predict", "failing fit"},
+    "configure_accelerator": {"fit", "failing fit"},
+    "configure_model": {"fit", "failing fit"},
+    "configure_optimizers": {"fit", "failing fit"},
+    "on_run_start": {"fit", "validate", "predict", "failing fit"},
+    "on_fit_start": {"fit", "failing fit"},
+    "on_train_epoch_start": {"fit", "failing fit"},
+    "on_train_batch_start": {"fit", "failing fit"},
+    "run_train_step": {"fit", "failing fit"},
+    "before_backward": {"fit"},  # the failing training_step raises before it
+    "before_optimizer_step": {"fit"},
+    "after_optimizer_step": {"fit"},
+    "on_train_batch_end": {"fit"},
+    "on_train_step_end": {"fit"},
+    "on_train_epoch_end": {"fit"},
+    "on_validation_start": {"fit", "validate"},
+    "on_validation_batch_end": {"fit", "validate"},
+    "on_validation_end": {"fit", "validate"},
+    "on_predict_start": {"predict"},
+    "on_predict_batch_end": {"predict"},
+    "on_predict_end": {"predict"},
+    "on_log": {"fit", "validate"},
+    "on_train_end": {"fit"},  # not after an exception
+    "on_exception": {"failing fit"},
+    "on_fit_end": {"fit", "failing fit"},  # whether training completed or raised
+    "teardown": {"fit", "validate", "predict", "failing fit"},
+}
+
+
+@pytest.fixture(scope="module")
+def fired_in(tmp_path_factory) -> dict[str, set[str]]:
+    """hook -> the calls (of the four in `FIRED_IN`'s comment) in which a `RecordingPlugin` saw it."""
+    tmp = tmp_path_factory.mktemp("fired")
+    rec = RecordingPlugin()
+    seen: dict[str, set[str]] = {}
+
+    def mark(call: str) -> None:
+        for name in rec.calls:
+            seen.setdefault(name, set()).add(call)
+        rec.records.clear()
+
+    engine = torchloom.Engine(plugins=[rec], log_every_n_steps=1, output_dir=str(tmp / "ok"))
+    task = TinyTask(n=8, batch_size=4)
+    engine.fit(task)
+    mark("fit")
+    engine.validate(task)
+    mark("validate")
+    engine.predict(task, DataLoader(torch.zeros(3, 4), batch_size=2))
+    mark("predict")
+
+    class Failing(TinyTask):
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        torchloom.Engine(plugins=[rec], output_dir=str(tmp / "fail")).fit(Failing(n=8, batch_size=4))
+    mark("failing fit")
+    return seen
+
+
+def test_every_hook_has_a_firing_expectation():
+    assert set(FIRED_IN) == set(HOOKS)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_fires(hook, fired_in):
+    assert fired_in.get(hook, set()) == FIRED_IN[hook], f"{hook} fired in {sorted(fired_in.get(hook, set()))}"

@@ -568,8 +568,8 @@ def test_the_predict_command_uses_a_checkpoint_or_an_exported_model(project):
 
 
 def test_a_documented_inspect_output_matches_the_command(project):
-    """The user guide's ``torchloom inspect`` example has the rows the command prints, in that order."""
-    guide = (Path(__file__).parents[1] / "docs" / "user-guide.md").read_text(encoding="utf-8")
+    """The ``torchloom inspect`` example of docs/runs.md has the rows the command prints, in that order."""
+    guide = (Path(__file__).parents[1] / "docs" / "runs.md").read_text(encoding="utf-8")
     section = guide[guide.index("$ torchloom inspect runs/regression/version_2\n") :]
     shown = section.split("```")[0].splitlines()[1:]
     labels = [line[:13].strip() for line in shown if line[:13].strip()]

@@ -45,6 +45,14 @@ _SETTINGS_ATTR = "_torchloom_checkpoint"  # set on each module whose forward we 
 class CheckpointConfig:
     """Settings of the ``grad_checkpoint`` plugin.
 
+    Args:
+        modules (`str` or `list[str]`, defaults to ``"hf"``): ``"hf"``: all checkpointable transformers layers.
+            A list: each entry selects the submodules whose class name equals it (``Block``,
+            ``LlamaDecoderLayer``) or whose qualified name matches it as an ``fnmatch`` pattern
+            (``encoder.layers.*``, ``blocks.1?``).
+        use_reentrant (`bool`, defaults to False): passed to ``torch.utils.checkpoint.checkpoint`` (or to
+            transformers); never changed by the plugin.
+
     Raises:
         ConfigError: an empty ``modules`` list or an empty entry.
     """

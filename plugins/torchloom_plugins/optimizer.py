@@ -77,6 +77,38 @@ _NEEDS_TOTAL = (
 class OptimizerConfig:
     """Settings of the ``optimizer`` plugin. ``None`` means "the optimizer's own default" (listed per field).
 
+    Args:
+        name (`str`, defaults to ``"adamw"``): which optimizer: ``adamw``, ``adafactor``, ``adamw8bit``,
+            ``adam8bit``, ``paged_adamw8bit`` or ``sgd``.
+        lr (`float`, *optional*, defaults to 1e-3): the learning rate, > 0; ``None`` (adafactor only):
+            Adafactor's relative step size.
+        betas (`tuple[float, float]`, *optional*): Adam family only, each in [0, 1); ``None``: (0.9, 0.999).
+        eps (`float`, *optional*): Adam's epsilon, >= 0 (``None``: 1e-8); for adafactor the first of its
+            ``eps=(eps, 1e-3)``, added to squared gradients (``None``: 1e-30).
+        weight_decay (`float`, defaults to 0.0): weight decay, >= 0, applied the way the chosen optimizer
+            applies it, to every parameter except those ``no_decay`` matches.
+        momentum (`float`, *optional*): sgd only, in [0, 1); ``None``: 0.
+        no_decay (`list[str]`, defaults to ``["bias", "norm"]``): a parameter is exempt from weight decay when
+            an item is a case-insensitive substring of its qualified name or of its module's class name
+            (``LayerNorm``, ``LlamaRMSNorm``, ``BatchNorm1d``); ``[]`` decays everything.
+        scale_parameter (`bool`, *optional*): adafactor only: scale the step by the parameter's RMS (at least
+            1e-3); ``None``: true.
+        warmup_init (`bool`, *optional*): adafactor with ``lr: null`` only: relative step
+            ``min(1e-6 * t, 1 / sqrt(t))`` instead of ``min(1e-2, 1 / sqrt(t))``; ``None``: false.
+        embedding_32bit (`bool`, *optional*): 8-bit only: keep ``nn.Embedding`` weights in 32-bit state;
+            ``None``: true.
+        min_8bit_size (`int`, *optional*): 8-bit only: tensors with fewer elements keep 32-bit state, >= 0;
+            ``None``: 4096.
+        scheduler (`str`, *optional*): a ``transformers.SchedulerType`` name except ``reduce_lr_on_plateau``
+            and ``greedy``: ``linear``, ``cosine``, ``cosine_with_restarts``, ``polynomial``, ``constant``,
+            ``constant_with_warmup``, ``inverse_sqrt``, ``cosine_with_min_lr``, ``cosine_warmup_with_min_lr``,
+            ``warmup_stable_decay``; ``None``: a constant learning rate.
+        warmup_steps (`int`, defaults to 0): warm-up optimizer steps, >= 0 (needs a schedule with warm-up).
+        warmup_ratio (`float`, defaults to 0.0): warm-up as a fraction of ``num_training_steps``, in [0, 1); not
+            together with ``warmup_steps``.
+        scheduler_kwargs (`dict`, defaults to ``{}``): extra arguments of the schedule (``num_cycles``,
+            ``power``, ``min_lr``, ...).
+
     Raises:
         ConfigError: a value out of range, a setting the chosen optimizer does not take, or ``lr: null`` with an
             optimizer other than ``adafactor``.

@@ -33,6 +33,7 @@ _EXPORTS = {
     "TorchloomError": "torchloom.errors",
     "TrainingInterrupted": "torchloom.errors",
     "build_config": "torchloom.plugins",
+    "convert_hf_args": "torchloom._hf_args",
     "delete_checkpoint": "torchloom.checkpoint",
     "enable_plugins": "torchloom.plugins",
     "estimate_optimizer_memory": "torchloom.memory",
@@ -64,6 +65,7 @@ __all__ = [
     "TrainingInterrupted",
     "__version__",
     "build_config",
+    "convert_hf_args",
     "delete_checkpoint",
     "enable_plugins",
     "estimate_optimizer_memory",
@@ -92,6 +94,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
     from torchloom._logging import request_stop
     from torchloom.checkpoint import delete_checkpoint, save_checkpoint

@@ -35,6 +35,22 @@ KINDS = ("checkpoint", "run", "model")
 def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Describe a checkpoint directory, a run directory or an exported model (``torchloom inspect``).
 
+    The result has the same keys for every kind, ``None`` where the path does not tell:
+
+    - ``path``, ``kind`` (``"checkpoint"``, ``"run"`` or ``"model"``), ``model_class``;
+    - ``parameters``: ``{"total", "trainable"}``, parameters counted once however many modules share them
+      (from the manifest or the model card; ``None`` for weights saved without either);
+    - ``weights``: from the safetensors headers: ``files``, ``tensors``, ``elements``, ``bytes`` and per
+      dtype (``"float32": {"tensors", "elements", "bytes"}``); a shared tensor is stored, and counted, once;
+      persistent buffers count too;
+    - ``weights_from``: the directory the weights were read from (a run's ``model/`` or latest checkpoint);
+    - ``plugins``: ``{name: settings}`` from the run's ``config.yaml`` or the model card; ``stateful_plugins``:
+      the plugins whose state a checkpoint holds;
+    - ``global_step``, ``epoch`` (0-based, as in ``metrics.jsonl``), ``metrics`` (the latest value of each
+      logged name; non-finite values as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
+    - ``checkpoints``: a run's complete checkpoints, oldest first (``path``, ``global_step``, ``epoch``);
+      ``model_dir``: a run's exported model; ``size_bytes``: a checkpoint's files, all together.
+
     Args:
         path (`str` or `os.PathLike`): a checkpoint (a directory with ``manifest.json``); a run directory
             (``<output_dir>/version_N``: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``, ``model/``); or an
@@ -42,21 +58,7 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
             `TaskModule.save_model` and ``save_pretrained`` write, or one ``.safetensors`` file).
 
     Returns:
-        `dict`: the same keys for every kind, ``None`` where the path does not tell:
-
-        - ``path``, ``kind`` (``"checkpoint"``, ``"run"`` or ``"model"``), ``model_class``;
-        - ``parameters``: ``{"total", "trainable"}``, parameters counted once however many modules share them
-          (from the manifest or the model card; ``None`` for weights saved without either);
-        - ``weights``: from the safetensors headers: ``files``, ``tensors``, ``elements``, ``bytes`` and per
-          dtype (``"float32": {"tensors", "elements", "bytes"}``); a shared tensor is stored, and counted, once;
-          persistent buffers count too;
-        - ``weights_from``: the directory the weights were read from (a run's ``model/`` or latest checkpoint);
-        - ``plugins``: ``{name: settings}`` from the run's ``config.yaml`` or the model card; ``stateful_plugins``:
-          the plugins whose state a checkpoint holds;
-        - ``global_step``, ``epoch`` (0-based, as in ``metrics.jsonl``), ``metrics`` (the latest value of each
-          logged name; non-finite values as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
-        - ``checkpoints``: a run's complete checkpoints, oldest first (``path``, ``global_step``, ``epoch``);
-          ``model_dir``: a run's exported model; ``size_bytes``: a checkpoint's files, all together.
+        `dict`: the keys above.
 
     Raises:
         ConfigError: ``path`` does not exist or is none of these; a weights file or ``config.json`` that cannot be

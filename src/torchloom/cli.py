@@ -7,6 +7,7 @@ Configs are parsed with jsonargparse (as LightningCLI does)::
     torchloom plugins [--json] [--config FILE]                           # installed plugins [and call order]
     torchloom predict --config run.yaml --ckpt_path PATH                 # with a checkpoint's or export's weights
     torchloom inspect PATH [--json]                                      # a checkpoint, run directory or export
+    torchloom convert-hf-args args.json [-o run.yaml]                    # HF TrainingArguments -> engine + plugins
 
 A config has four sections: ``engine`` (`EngineConfig` fields), ``task`` (``class_path`` of a `TaskModule`
 subclass + ``init_args``), ``data`` (same for a `DataModule`, optional) and ``plugins``
@@ -75,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parser.parse_args(argv)
         if cfg.subcommand == "inspect":
             return _inspect_command(cfg.inspect)
+        if cfg.subcommand == "convert-hf-args":
+            return _convert_hf_args_command(cfg["convert-hf-args"])
         return _plugins_command(parser, cfg.plugins)
     except TrainingInterrupted as exc:  # a checkpoint was saved: the status tells a scheduler to requeue
         print(f"torchloom: {exc}", file=sys.stderr)
@@ -141,6 +144,10 @@ def _build_parser(run_commands: bool = True) -> tuple[Any, dict[str, Any]]:
     inspect.add_argument("path", type=str, help="a checkpoint, a run directory (version_N) or an exported model")
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     subcommands.add_subcommand("inspect", inspect, help="describe a checkpoint, run directory or exported model")
+    convert = ArgumentParser(description="Turn a saved HF TrainingArguments JSON into a run config (engine, plugins)")
+    convert.add_argument("file", type=str, help="a JSON file written by TrainingArguments.to_json_string()")
+    convert.add_argument("-o", "--output", type=str | None, default=None, help="write the YAML here, not to stdout")
+    subcommands.add_subcommand("convert-hf-args", convert, help="convert HF TrainingArguments JSON to a run config")
     return parser, run_parsers
 
 
@@ -519,6 +526,31 @@ def _inspect_command(cfg: Any) -> int:
         return 0
     for label, value in _inspection_lines(info):
         print(f"{label:<13} {value}")
+    return 0
+
+
+def _convert_hf_args_command(cfg: Any) -> int:
+    """``torchloom convert-hf-args FILE [-o OUT]``: the run config `torchloom.convert_hf_args` makes, on stdout or in
+    OUT; on stderr, what was not converted (all of it with ``-o``) and whether the config loads here."""
+    conversion = torchloom.convert_hf_args(cfg.file)
+    text, problem = conversion.to_yaml(), conversion.check()
+    skipped, differ = conversion.not_converted, conversion.differences
+    counts = f"{len(skipped)} argument{'s' * (len(skipped) != 1)} not converted, {len(differ)} with a difference"
+    if cfg.output is None:
+        sys.stdout.write(text)
+        print(f"torchloom convert-hf-args: {counts} (listed in the comments at the top)", file=sys.stderr)
+    else:
+        try:
+            with open(cfg.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            raise ConfigError(f"-o {cfg.output!r}: cannot write it: {exc.strerror or exc}") from None
+        print(f"torchloom convert-hf-args: wrote {cfg.output}; {counts}", file=sys.stderr)
+        for title, remarks in (("not converted", skipped), ("converted with a difference", differ)):
+            for remark in remarks:
+                print(f"  {title}: {remark.line()}", file=sys.stderr)
+    if problem is not None:
+        print(f"torchloom convert-hf-args: warning: the config does not load here: {problem}", file=sys.stderr)
     return 0
 
 

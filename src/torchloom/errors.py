@@ -56,7 +56,10 @@ class TrainingInterrupted(TorchloomError):
         global_step (`int`): the optimizer steps completed, all saved.
 
     Attributes:
-        signal_number (`int`), checkpoint (`str`), global_step (`int`), exit_code (`int`).
+        signal_number (`int`): the signal received.
+        checkpoint (`str`): the checkpoint saved before stopping.
+        global_step (`int`): the optimizer steps completed, all saved.
+        exit_code (`int`): 128 + ``signal_number``, the command's exit status.
     """
 
     def __init__(self, signal_number: int, checkpoint: str, global_step: int) -> None:

@@ -433,7 +433,8 @@ class HookRelay:
         #: hook name -> its pluggy caller, from the manager whose order the hook runs in.
         self._caller = {
             name: getattr((self._reverse if _is_reversed(name) else self._forward).hook, name)
-            for name in self._implemented
+            for name in dir(self._forward.hook)
+            if not name.startswith("_")
         }
         #: hook name -> ``(function, argument names)`` of each implementation in call order, for the hooks whose
         #: implementations are all plain (no wrapper): see `call`.
@@ -473,7 +474,7 @@ class HookRelay:
     def call(self, hook_name: str, **kwargs: Any) -> Any:
         """Call a hook by keyword. An exception gets a note naming the plugin and hook that raised it.
 
-        A hook no plugin implements returns at once (``[]``, or ``None`` for a ``firstresult`` hook). A hook
+        A hook no plugin implements returns at once (``[]``, or ``None`` for a ``firstresult`` hook); a hook
         whose implementations are all plain (none is a wrapper) calls them in order here, as pluggy's
         ``_multicall`` does (each with the arguments it names; results that are not ``None`` collected, the first
         one returned for a ``firstresult`` hook), without its per-call set-up: about 1 µs instead of 2-3 µs per
@@ -490,10 +491,7 @@ class HookRelay:
                             return result
                         results.append(result)
                 return None if hook_name in self._firstresult else results
-            caller = self._caller.get(hook_name)
-            if caller is None:
-                return None if _spec_opts(hook_name).get("firstresult") else []
-            return caller(**kwargs)
+            return self._caller[hook_name](**kwargs)
         except Exception as exc:
             caller = getattr(self._forward.hook, hook_name, None)
             culprit = _raising_plugin(exc, caller.get_hookimpls()) if caller is not None else None
@@ -575,12 +573,6 @@ class _PluginManager(pluggy.PluginManager):
         if name in getattr(plugin, INACTIVE_HOOKS_ATTR, ()):
             return None
         return super().parse_hookimpl_opts(plugin, name)
-
-
-def _spec_opts(hook_name: str) -> dict[str, Any]:
-    """The options of the hookspec ``hook_name`` (``{}`` when there is none)."""
-    spec = getattr(hookspecs, hook_name, None)
-    return dict(getattr(spec, f"{hookspecs.PROJECT_NAME}_spec", None) or {})
 
 
 def _raising_plugin(exc: BaseException, impls: Sequence[Any]) -> str | None:

@@ -296,7 +296,8 @@ def image_table(
             - ``(images, labels)``: a ``uint8`` array shaped ``(n, height, width)`` or ``(n, height, width,
               channels)`` (or a sequence of such images) and ``n`` labels;
             - a mapping ``{image_column: images, label_column: labels}`` of the same.
-        image_column, label_column (`str`): the column names (created for a folder or arrays).
+        image_column (`str`): the image column's name (created for a folder or arrays).
+        label_column (`str`): the label column's name (created for a folder or arrays).
         label_names (`Sequence[str]`, *optional*): for an image folder, the classes in id order.
         name (`str`, defaults to ``"data"``): what to call it in error messages.
 
@@ -476,8 +477,9 @@ class ImageTransform:
             before anything else (`load_image`).
         size (`int` or `[height, width]`, *optional*): resize every image to this; ``None`` keeps their size
             (they must then all have the same one).
-        mean, std (`float` or `list[float]`, *optional*): one value, or one per channel; ``None``: no
+        mean (`float` or `list[float]`, *optional*): one value, or one per channel; ``None``: no
             normalisation (values stay in ``[0, 1]``).
+        std (`float` or `list[float]`, *optional*): one value, or one per channel, with ``mean``.
         resample (`str`, defaults to ``"bilinear"``): ``nearest``, ``bilinear``, ``bicubic``, ``lanczos``,
             ``box`` or ``hamming``.
         processor (*optional*): a transformers image processor (see `load_image_processor`); then ``size``,
@@ -772,8 +774,9 @@ class ImageClassificationData(DataModule):
             transformers choose; ``"torchvision"`` needs torchvision).
         size (`int` or `[height, width]`, *optional*): plain resizing (without a processor); ``None`` keeps the
             images' own size, which must then be the same for all.
-        mean, std (`float` or `list[float]`, *optional*): plain normalisation per channel, on values scaled to
+        mean (`float` or `list[float]`, *optional*): plain normalisation per channel, on values scaled to
             ``[0, 1]``; ``None``: no normalisation.
+        std (`float` or `list[float]`, *optional*): the standard deviations of that normalisation, with ``mean``.
         resample (`str`, defaults to ``"bilinear"``): the filter of plain resizing.
         random_crop_padding (`int`, defaults to 0): training only: shift each image by up to this many pixels
             (`random_crop`).
