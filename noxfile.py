@@ -105,7 +105,7 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The benchmark suite (bench/suite.py): step-time ratios to a hand-written Accelerate loop and to Lightning,
     hook dispatch, start-up, activation and optimizer memory, compile speed; writes bench/results/latest.md and
-    latest.json. About 12 minutes on the 2-core project machine; ``nox -s bench -- --quick`` is a fast check.
+    latest.json. 6-9 minutes on the 2-core project machine; ``nox -s bench -- --quick`` is a fast check.
 
     Lightning (Fabric and the Trainer, the peers compared against) is installed in this session only, pinned in
     bench/constraints.txt, with py-spy (the sampling profiler of bench/dispatch.py); the 8bit extra (bitsandbytes)

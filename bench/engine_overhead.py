@@ -215,19 +215,23 @@ def measure(workload_name: str, keys: list[str], rounds: int, warmup_rounds: int
     }
 
 
+def _duration(us: float) -> str:
+    return f"{us:.0f} us" if us < 10_000 else f"{us / 1e3:.0f} ms"
+
+
 def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['label']}: {result['rounds']} rounds x {result['timed_micro_steps']} timed micro-steps "
         f"(after {result['warmup_micro_steps']} warm-up)",
         "",
-        "| variant | work | us / micro-step (median) | ratio (median) | ratio min-max | vs |",
+        "| variant | work | time / micro-step (median) | ratio (median) | ratio min-max | vs |",
         "|---|---|---:|---:|---:|---|",
     ]
     for row in result["variants"]:
         t, ratio = row["us_per_micro_step"], row["ratio"]
         cells = (f"{ratio['median']:.3f}", f"{ratio['min']:.3f}-{ratio['max']:.3f}") if ratio else ("", "")
         lines.append(
-            f"| {row['label']} | {row['work']} | {t['median']:.0f} | {cells[0]} | {cells[1]} | "
+            f"| {row['label']} | {row['work']} | {_duration(t['median'])} | {cells[0]} | {cells[1]} | "
             f"{row['baseline'] or ''} |"
         )
     for key, why in result["skipped"].items():

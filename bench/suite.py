@@ -1,9 +1,10 @@
 """The benchmark suite that ``nox -s bench`` runs: every part in its own process, one Markdown table, one JSON file.
 
-    python bench/suite.py                    # everything (about 10-12 minutes on the 2-core project machine)
+    python bench/suite.py                    # everything (5-8 minutes on the 2-core project machine)
     python bench/suite.py --quick            # fewer rounds: a check that every part runs (noisier)
     python bench/suite.py --parts startup,w1 # some parts
     python bench/suite.py --out bench/results
+    python bench/suite.py --from-json bench/results/latest.json > bench/RESULTS.md   # render a run again
 
 Parts, in the order they run (see each script's docstring for its method):
 
@@ -172,7 +173,7 @@ def targets(parts: dict[str, Any]) -> list[str]:
     fabric, torchloom_w1 = ratio_row("w1", "fabric"), ratio_row("w1", "torchloom")
     if fabric and torchloom_w1:
         f, t = fabric["ratio"]["median"], torchloom_w1["ratio"]["median"]
-        add("W1 stretch: torchloom at or below Fabric", t - f, 0.0, f"torchloom {t:.2f} vs Fabric {f:.2f}")
+        add("W1 stretch: torchloom at or below Fabric", t - f, 0.0, f"torchloom {t:.3f} vs Fabric {f:.3f}")
     dispatch = parts.get("dispatch", {}).get("result")
     if dispatch:
         for row in dispatch["rows"]:
@@ -277,7 +278,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (a check that all parts run)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--from-json", default=None, help="render the report of an earlier run's latest.json again")
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        print(report(saved["meta"], saved["parts"]), end="")
+        return
     names = [p for p in args.parts.split(",") if p]
     unknown = [p for p in names if p not in PARTS]
     if unknown:
