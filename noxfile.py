@@ -103,10 +103,17 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks: engine vs a hand-written Accelerate loop (ratios), activation memory, compile speed."""
-    install_torchloom(session, "test")
-    for script in sorted(glob.glob("bench/*.py")):
-        session.run("python", script, *session.posargs, env=OFFLINE)
+    """The benchmark suite (bench/suite.py): step-time ratios to a hand-written Accelerate loop and to Lightning,
+    hook dispatch, start-up, activation and optimizer memory, compile speed; writes bench/results/latest.md and
+    latest.json. 6-9 minutes on the 2-core project machine; ``nox -s bench -- --quick`` is a fast check.
+
+    Lightning (Fabric and the Trainer, the peers compared against) is installed in this session only, pinned in
+    bench/constraints.txt, with py-spy (the sampling profiler of bench/dispatch.py); the 8bit extra (bitsandbytes)
+    for the 8-bit AdamW of the realistic set.
+    """
+    install_torchloom(session, "test", "8bit")
+    session.install("lightning", "py-spy", *CONSTRAINTS, "-c", "bench/constraints.txt")
+    session.run("python", "bench/suite.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session(python=PYTHON)

@@ -16,11 +16,13 @@ Run::
 
     python bench/activation_memory.py                 # an 8-block residual MLP and a 4-layer GPT-2
     python bench/activation_memory.py --kind mlp --batch 512 --width 256 --blocks 8
+    python bench/activation_memory.py --kind gpt2 --blocks 12 --json out.json   # what nox -s bench runs
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import weakref
 from typing import Any
@@ -222,12 +224,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--blocks", type=int, default=None)
+    parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     defaults = {"mlp": (512, 256, 8), "gpt2": (8, 128, 4)}
+    results = []
     for kind in ("mlp", "gpt2") if args.kind == "all" else (args.kind,):
         batch, width, blocks = defaults[kind]
-        rows = compare(kind, args.batch or batch, args.width or width, args.blocks or blocks)
+        batch, width, blocks = args.batch or batch, args.width or width, args.blocks or blocks
+        rows = compare(kind, batch, width, blocks)
         print(format_rows(rows))
+        results.append({"kind": kind, "batch": batch, "width": width, "blocks": blocks, "rows": rows})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

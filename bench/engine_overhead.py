@@ -1,124 +1,270 @@
-"""Per-step time of torchloom's engine against a hand-written Accelerate loop doing the same work.
+"""Step time of torchloom against the hand-written Accelerate loop doing the same work, and against Lightning.
 
-    python bench/engine_overhead.py [--steps 300] [--repeats 3] [--plugins grad_accum,grad_clip]
+    python bench/engine_overhead.py --workload W1 [--rounds 20] [--warmup 50] [--steps 300] [--json out.json]
+    python bench/engine_overhead.py --workload W2 [--rounds 5] [--warmup 1] [--steps 4]
+    python bench/engine_overhead.py --workload W1 --variants hand,torchloom,torchloom-progress-plain
 
-The loops train the same MLP on the same in-memory batches in this process, alternating repeats so that machine
-noise hits all of them; reported: median seconds per optimizer step of each, and their ratio to the hand-written
-loop. A ratio near 1.0 means the hooks, the progress record and the log buffer cost nothing measurable at this size.
-The engine runs three times per repeat: as configured, then with the ``progress`` plugin added (what the
-``torchloom`` command enables by default) printing plain lines (stdout not a terminal), then drawing its bar
-(``terminal: true``); their output goes to /dev/null, but is rendered in full.
-Not a test: timings are never asserted.
+Method (see bench/README.md): every variant runs in this one process with 1 torch thread. Each round runs every
+variant once, in an order rotated by one each round; each run builds its own Accelerator / model / optimizer
+(not timed), trains ``warmup`` micro-steps (not timed), then ``steps`` timed micro-steps (see
+`workloads.Clock`: from the start of micro-batch ``warmup``'s forward to the start of micro-batch
+``warmup + steps``'s). A variant's ratio in a round is its time divided by the time of the hand-written loop doing
+the same work in the same round; reported: the median ratio and its min-max over the rounds (``warmup_rounds``
+first rounds discarded), and the median time per micro-step.
+
+Variants (``--variants`` picks a subset by key; the default set depends on the workload):
+
+==========================  ===========================================================================
+hand                        the Accelerate loop, fp32 AdamW (`workloads.hand_loop`)
+torchloom                   ``Engine`` with no plugins
+torchloom-noop              every built-in plugin with settings that make it a no-op (`NOOP_SETTINGS`)
+fabric, trainer             Lightning Fabric loop; lean Lightning Trainer
+hand-realistic              the Accelerate loop with grad_accum 2 + bf16 + grad_clip 1.0 + adamw8bit
+torchloom-realistic         ``Engine`` with the plugins grad_accum, mixed_precision, grad_clip, optimizer
+fabric-realistic, trainer-realistic   the same work in Fabric / the Trainer
+torchloom-bf16              ``Engine`` with mixed_precision bf16 only: ratio to ``torchloom`` = bf16 / fp32
+torchloom-progress-plain    ``Engine`` + the progress plugin printing plain lines (to /dev/null)
+torchloom-progress-bar      ``Engine`` + the progress plugin drawing its bar (to /dev/null)
+==========================  ===========================================================================
+
+Not a test: timings are printed and written, never asserted. On a shared machine the numbers move with the load
+of other processes; the min-max shows how much.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
 import os
+import platform
 import statistics
-import tempfile
+import sys
 import time
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
-from torch.utils.data import DataLoader, TensorDataset
 
-import torchloom
+if os.path.dirname(os.path.abspath(__file__)) not in map(os.path.abspath, sys.path):  # imported from elsewhere
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-WIDTH = 256
+from workloads import (
+    BF16,
+    PLAIN,
+    REALISTIC,
+    TORCHLOOM_PLUGINS,
+    WORKLOADS,
+    Variant,
+    bitsandbytes_available,
+    lightning_available,
+    noop_plugins,
+    timed_run,
+)
 
-
-def make_data(steps: int, batch: int = 32) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(steps * batch, WIDTH, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=batch)
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(WIDTH, WIDTH),
-        torch.nn.ReLU(),
-        torch.nn.Linear(WIDTH, WIDTH),
-        torch.nn.ReLU(),
-        torch.nn.Linear(WIDTH, 1),
-    )
-
-
-class MLPTask(torchloom.TaskModule):
-    def __init__(self, data: DataLoader) -> None:
-        super().__init__()
-        self.data = data
-
-    def configure_model(self) -> torch.nn.Module:
-        return make_model()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.model(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-
-    def train_dataloader(self) -> DataLoader:
-        return self.data
-
-
-def hand_written(data: DataLoader) -> float:
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    accelerator = Accelerator(cpu=True)
-    model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, data)
-    start = time.perf_counter()
-    for x, y in loader:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return (time.perf_counter() - start) / len(loader)
+#: Per workload: (rounds, warm-up rounds, warm-up micro-steps, timed micro-steps, default variants).
+DEFAULTS: dict[str, tuple[int, int, int, int, list[str]]] = {
+    "W1": (
+        20,
+        1,
+        50,
+        300,
+        [
+            "hand",
+            "torchloom",
+            "torchloom-noop",
+            "fabric",
+            "trainer",
+            "hand-realistic",
+            "torchloom-realistic",
+            "fabric-realistic",
+            "trainer-realistic",
+        ],
+    ),
+    # A W2 micro-step takes about a second here: few, short rounds (the ratios are noisier; see the min-max).
+    "W2": (
+        5,
+        0,
+        2,
+        4,
+        [
+            *("hand", "torchloom", "torchloom-noop", "fabric", "trainer"),
+            *("hand-realistic", "torchloom-realistic", "torchloom-bf16"),
+        ],
+    ),
+}
 
 
-def engine_run(data: DataLoader, plugins: list[Any]) -> float:
-    with tempfile.TemporaryDirectory() as out, open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
-        engine = torchloom.Engine(max_epochs=1, log_every_n_steps=50, output_dir=out, plugins=plugins)
-        start = time.perf_counter()
-        engine.fit(MLPTask(data))
-        elapsed = time.perf_counter() - start
-    return elapsed / len(data)
+def all_variants() -> tuple[dict[str, Variant], list[str]]:
+    noop, notes = noop_plugins()
+    progress = {"progress": {"terminal": False}}
+    variants = [
+        Variant("hand", "hand-written Accelerate loop", "hand", PLAIN),
+        Variant("torchloom", "torchloom, no plugins", "torchloom", PLAIN, baseline="hand"),
+        Variant("torchloom-noop", "torchloom, every built-in as a no-op", "torchloom", PLAIN, noop, baseline="hand"),
+        Variant("fabric", "Lightning Fabric", "fabric", PLAIN, baseline="hand"),
+        Variant("trainer", "Lightning Trainer (lean)", "trainer", PLAIN, baseline="hand"),
+        Variant("hand-realistic", "hand-written Accelerate loop, realistic set", "hand", REALISTIC),
+        Variant(
+            "torchloom-realistic",
+            "torchloom, realistic set",
+            "torchloom",
+            REALISTIC,
+            TORCHLOOM_PLUGINS["realistic"],
+            baseline="hand-realistic",
+        ),
+        Variant("fabric-realistic", "Lightning Fabric, realistic set", "fabric", REALISTIC, baseline="hand-realistic"),
+        Variant(
+            "trainer-realistic",
+            "Lightning Trainer (lean), realistic set",
+            "trainer",
+            REALISTIC,
+            baseline="hand-realistic",
+        ),
+        Variant("torchloom-bf16", "torchloom, bf16 (vs torchloom fp32)", "torchloom", BF16, TORCHLOOM_PLUGINS["bf16"]),
+        Variant("torchloom-progress-plain", "torchloom + progress (plain lines)", "torchloom", PLAIN, progress),
+        Variant(
+            "torchloom-progress-bar",
+            "torchloom + progress (bar)",
+            "torchloom",
+            PLAIN,
+            {"progress": {"terminal": True}},
+        ),
+    ]
+    by_key = {v.key: v for v in variants}
+    by_key["torchloom-bf16"].baseline = "torchloom"
+    by_key["torchloom-progress-plain"].baseline = by_key["torchloom-progress-bar"].baseline = "torchloom"
+    return by_key, notes
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def measure(workload_name: str, keys: list[str], rounds: int, warmup_rounds: int, warmup: int, steps: int) -> dict:
+    workload = WORKLOADS[workload_name]
+    by_key, notes = all_variants()
+    skipped: dict[str, str] = {}
+    if not lightning_available():
+        skipped |= {
+            k: "lightning is not installed (nox -s bench installs it)"
+            for k in keys
+            if by_key[k].runner in {"fabric", "trainer"}
+        }
+    bnb_problem = bitsandbytes_available()
+    if bnb_problem is not None:
+        skipped |= {
+            k: f"bitsandbytes 8-bit AdamW unavailable: {bnb_problem}"
+            for k in keys
+            if by_key[k].work.optimizer == "adamw8bit"
+        }
+    chosen = [by_key[k] for k in keys if k not in skipped]
+    for v in chosen:  # a ratio needs its baseline measured in the same rounds
+        if v.baseline is not None and v.baseline not in {c.key for c in chosen}:
+            raise SystemExit(f"variant {v.key!r} needs its baseline {v.baseline!r} in --variants")
+    if REALISTIC.optimizer == "adamw8bit" and any(v.work.optimizer == "adamw8bit" for v in chosen):
+        notes.append("adamw8bit: bitsandbytes' CPU kernels (no GPU here)")
+    times: dict[str, list[float]] = {v.key: [] for v in chosen}
+    ratios: dict[str, list[float]] = {v.key: [] for v in chosen if v.baseline}
+    started = time.perf_counter()
+    for r in range(warmup_rounds + rounds):
+        shift = r % len(chosen)
+        order = chosen[shift:] + chosen[:shift]
+        this_round = {}
+        for v in order:
+            this_round[v.key] = timed_run(v, workload, warmup, steps)
+        if r < warmup_rounds:
+            continue
+        for v in chosen:
+            times[v.key].append(this_round[v.key])
+            if v.baseline:
+                ratios[v.key].append(this_round[v.key] / this_round[v.baseline])
+        print(
+            f"  {workload_name} round {r - warmup_rounds + 1}/{rounds}: "
+            + ", ".join(f"{k} {this_round[k] * 1e6:.0f}us" for k in this_round),
+            file=sys.stderr,
+            flush=True,
+        )
+    rows = []
+    for v in chosen:
+        rows.append(
+            {
+                "key": v.key,
+                "label": v.label,
+                "runner": v.runner,
+                "work": v.work.describe(),
+                "plugins": v.plugins,
+                "baseline": v.baseline,
+                "us_per_micro_step": {k: x * 1e6 for k, x in summary(times[v.key]).items()},
+                "ratio": summary(ratios[v.key]) if v.baseline else None,
+                "ratios": ratios.get(v.key),
+            }
+        )
+    return {
+        "workload": workload_name,
+        "label": workload.label,
+        "rounds": rounds,
+        "warmup_rounds": warmup_rounds,
+        "warmup_micro_steps": warmup,
+        "timed_micro_steps": steps,
+        "torch_threads": torch.get_num_threads(),
+        "seconds": time.perf_counter() - started,
+        "loadavg_end": os.getloadavg(),
+        "variants": rows,
+        "skipped": skipped,
+        "notes": notes,
+        "python": platform.python_version(),
+    }
+
+
+def _duration(us: float) -> str:
+    return f"{us:.0f} us" if us < 10_000 else f"{us / 1e3:.0f} ms"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['label']}: {result['rounds']} rounds x {result['timed_micro_steps']} timed micro-steps "
+        f"(after {result['warmup_micro_steps']} warm-up)",
+        "",
+        "| variant | work | time / micro-step (median) | ratio (median) | ratio min-max | vs |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for row in result["variants"]:
+        t, ratio = row["us_per_micro_step"], row["ratio"]
+        cells = (f"{ratio['median']:.3f}", f"{ratio['min']:.3f}-{ratio['max']:.3f}") if ratio else ("", "")
+        lines.append(
+            f"| {row['label']} | {row['work']} | {_duration(t['median'])} | {cells[0]} | {cells[1]} | "
+            f"{row['baseline'] or ''} |"
+        )
+    for key, why in result["skipped"].items():
+        lines.append(f"| {key} | skipped: {why} | | | | |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--plugins", default="", help="comma-separated plugin names for the engine run")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="W1")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--warmup-rounds", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up micro-steps per run (not timed)")
+    parser.add_argument("--steps", type=int, default=None, help="timed micro-steps per run")
+    parser.add_argument("--variants", default=None, help="comma-separated variant keys (see above)")
+    parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
-    plugins: list[Any] = [p for p in args.plugins.split(",") if p]
-    name = f"torchloom engine{' + ' + ','.join(plugins) if plugins else ''}"
-    variants = {
-        name: plugins,
-        f"{name} + progress (plain lines)": [*plugins, {"progress": {"terminal": False}}],
-        f"{name} + progress (bar)": [*plugins, {"progress": {"terminal": True}}],
-    }
-    data = make_data(args.steps)
+    rounds, warmup_rounds, warmup, steps, keys = DEFAULTS[args.workload]
+    if args.variants:
+        keys = args.variants.split(",")
     torch.set_num_threads(1)
-    hand: list[float] = []
-    times: dict[str, list[float]] = {variant: [] for variant in variants}
-    for _ in range(args.repeats):
-        hand.append(hand_written(data))
-        for variant, variant_plugins in variants.items():
-            times[variant].append(engine_run(data, variant_plugins))
-    h = statistics.median(hand)
-    print(f"hand-written Accelerate loop: {h * 1e3:.3f} ms/step (median of {args.repeats} x {args.steps} steps)")
-    for variant, measured in times.items():
-        e = statistics.median(measured)
-        print(f"{variant}: {e * 1e3:.3f} ms/step, ratio to hand-written {e / h:.3f}")
-    print("(each engine run includes its set-up: Accelerator, prepare, hooks)")
+    result = measure(
+        args.workload,
+        keys,
+        args.rounds or rounds,
+        warmup_rounds if args.warmup_rounds is None else args.warmup_rounds,
+        args.warmup or warmup,
+        args.steps or steps,
+    )
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
