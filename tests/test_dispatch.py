@@ -110,11 +110,13 @@ def test_inactive_hooks_are_not_registered(tmp_path, active):
     ("name", "settings", "inactive"),
     [
         ("grad_accum", {"steps": 1}, {"run_train_step", "before_backward", "before_optimizer_step"}),
-        ("grad_accum", {"steps": 2}, set()),
+        ("grad_accum", {"steps": 2}, {"before_backward"}),
         ("grad_accum", {"steps": 1, "normalization": "items"}, set()),
         ("checkpoint", {"every_n_epochs": 1, "save_on_interrupt": False}, {"on_train_step_end"}),
         ("checkpoint", {"every_n_epochs": 1}, set()),
         ("checkpoint", {"every_n_steps": 5, "save_on_interrupt": False}, set()),
+        ("progress", {"enabled": False}, {"on_train_batch_end", "on_predict_batch_end"}),
+        ("progress", {}, set()),
     ],
 )
 def test_builtins_whose_settings_make_a_hook_a_no_op_do_not_register_it(name, settings, inactive):

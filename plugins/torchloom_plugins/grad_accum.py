@@ -181,8 +181,11 @@ class GradientAccumulation(torchloom.Plugin):
         self._warned_short_epoch = False
         self._model: torch.nn.Module | None = None  # the model, during run_train_step
         self._count_hooks: list[Any] = []  # gradient hooks of the current micro-batch (a 16-bit loss)
-        if self.config.steps == 1 and not self._by_items:  # one micro-batch per step, a plain mean: nothing to do
-            self.inactive_hooks = frozenset({"run_train_step", "before_backward", "before_optimizer_step"})
+        if not self._by_items:  # a plain mean: no loss to rescale per micro-batch
+            inactive = {"before_backward"}
+            if self.config.steps == 1:  # one micro-batch per step: nothing to do at all
+                inactive |= {"run_train_step", "before_optimizer_step"}
+            self.inactive_hooks = frozenset(inactive)
 
     @property
     def _by_items(self) -> bool:

@@ -193,6 +193,8 @@ class ProgressBar(torchloom.Plugin):
         )
         self.summary: dict[str, Any] | None = None
         self._reset("fit", None)
+        if not self.config.enabled:  # the per-batch hooks would return at once
+            self.inactive_hooks = frozenset({"on_train_batch_end", "on_predict_batch_end"})
 
     # ------------------------------------------------------------------------------------------- state
 

@@ -22,8 +22,10 @@ class LogBuffer:
     A plain value is folded into a running sum (``mean``: with its weight), maximum, minimum or latest value
     on its own device, so logging never waits for the device. A `torchmetrics.Metric` is registered as it
     is; `reduce` computes it (torchmetrics synchronises its state over the ranks then) and resets it.
-    `append` (the engine's per-micro-batch loss) keeps the values in a list and folds them all at once, with
-    one stack, when the buffer is read or the list reaches `APPEND_FOLD` entries.
+    A tensor logged with ``reduce="mean"`` (the engine's per-micro-batch loss through `append`, a gradient norm,
+    a task's ``self.log`` in ``training_step``) is kept in a list and folded with the others of its name at
+    once, with one stack, when the buffer is read or the list reaches `APPEND_FOLD` entries: logging a tensor
+    every step costs no device operation until the logging step.
     """
 
     #: Appended values kept per name before they are folded (bounds the memory held between logging steps).
@@ -89,7 +91,8 @@ class LogBuffer:
             raise TaskError(f"log({name!r}, ...): the name is a {type(name).__name__}; expected a non-empty string")
         if reduce not in REDUCTIONS:
             raise TaskError(f"log({name!r}): reduce={reduce!r} is not one of {', '.join(REDUCTIONS)}")
-        if name in self._appended:
+        deferred = reduce == "mean" and isinstance(value, torch.Tensor)  # appended, folded at the interval
+        if name in self._appended and not deferred:
             self._fold(name)
         known = self._reductions.get(name)
         if _is_metric(value):
@@ -114,6 +117,10 @@ class LogBuffer:
                 )
         if reduce != "mean" and not (isinstance(weight, int | float) and weight == 1):
             raise TaskError(f"log({name!r}): a weight applies to reduce='mean' only, not to reduce={reduce!r}")
+        if deferred and isinstance(value, torch.Tensor):  # no device operation now: one stack at the interval
+            value = value.detach()
+            self.append(name, value if value.ndim == 0 else value.reshape(()), weight)
+            return
         if isinstance(value, torch.Tensor):
             value = value.detach().reshape(())
             value = value.to(torch.float64 if value.device.type != "mps" else torch.float32)

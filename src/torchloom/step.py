@@ -46,42 +46,49 @@ class StepHooks:
     """
 
     def __init__(self, relay: HookRelay, log: Any) -> None:
-        self._relay = relay
+        self._call = relay.call_with
         self.log = log
-        self._implemented = {
-            name: relay.implemented(name)
-            for name in ("before_backward", "before_optimizer_step", "after_optimizer_step")
-        }
+        self._before_backward = relay.implemented("before_backward")
+        self._before_optimizer_step = relay.implemented("before_optimizer_step")
+        self._after_optimizer_step = relay.implemented("after_optimizer_step")
 
     def before_backward(self, outputs: dict[str, Any], accelerator: Accelerator, progress: Progress) -> None:
         """Fire ``before_backward``: call it after the forward pass, before ``accelerator.backward``; it may
         replace ``outputs["loss"]`` (read it again afterwards)."""
-        if self._implemented["before_backward"]:
-            self._relay.call("before_backward", outputs=outputs, accelerator=accelerator, progress=progress)
+        if self._before_backward:
+            self._call("before_backward", {"outputs": outputs, "accelerator": accelerator, "progress": progress})
 
     def before_optimizer_step(
         self, model: torch.nn.Module, optimizer: Any, accelerator: Accelerator, progress: Progress
     ) -> None:
         """Fire ``before_optimizer_step``: call it once per optimizer step, after the last backward of the window
         and before ``optimizer.step()``."""
-        self._fire(
-            "before_optimizer_step", model=model, optimizer=optimizer, accelerator=accelerator, progress=progress
-        )
+        if self._before_optimizer_step:
+            self._call(
+                "before_optimizer_step",
+                {
+                    "model": model,
+                    "optimizer": optimizer,
+                    "accelerator": accelerator,
+                    "progress": progress,
+                    "log": self.log,
+                },
+            )
 
     def after_optimizer_step(
         self, model: torch.nn.Module, optimizer: Any, scheduler: Any, accelerator: Accelerator, progress: Progress
     ) -> None:
         """Fire ``after_optimizer_step``: call it once per optimizer step, after ``optimizer.step()``, the
         scheduler step and ``zero_grad``."""
-        self._fire(
-            "after_optimizer_step",
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            accelerator=accelerator,
-            progress=progress,
-        )
-
-    def _fire(self, hook_name: str, **kwargs: Any) -> None:
-        if self._implemented[hook_name]:
-            self._relay.call(hook_name, **kwargs, log=self.log)
+        if self._after_optimizer_step:
+            self._call(
+                "after_optimizer_step",
+                {
+                    "model": model,
+                    "optimizer": optimizer,
+                    "scheduler": scheduler,
+                    "accelerator": accelerator,
+                    "progress": progress,
+                    "log": self.log,
+                },
+            )
