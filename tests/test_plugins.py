@@ -186,7 +186,9 @@ def test_unknown_name_without_close_match_still_lists_installed(fixtures_install
         torchloom.enable_plugins(["zzzzzz"])
 
 
-def test_name_registered_by_two_distributions_names_both(tmp_path, fixtures_installed):
+def test_name_registered_by_two_distributions_names_both(tmp_path, fixtures_installed, monkeypatch):
+    for module in [m for m in sys.modules if m.split(".")[0] in ("torchloom_twin", "torchloom_hello")]:
+        monkeypatch.delitem(sys.modules, module)  # an earlier test may have listed (imported) every plugin
     out = tmp_path / "run"
     with pytest.raises(torchloom.PluginError) as info:
         torchloom.Engine(plugins=["fixture_twin"], output_dir=str(out))
