@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchloom
+from torchloom_plugins.optimizer import release_overrides
 
 LR = 1e-3
 
@@ -239,19 +240,10 @@ def make_optimizer(model: torch.nn.Module, work: Work) -> torch.optim.Optimizer:
 
 def release_optimizer(model: torch.nn.Module, optimizer: Any) -> None:
     """Drop the process-wide bitsandbytes overrides `make_optimizer` registered (so that the next run in this
-    process starts clean, as the optimizer plugin's teardown does)."""
+    process starts clean), with the optimizer plugin's own `release_overrides`, as its teardown does."""
     optimizer = getattr(optimizer, "optimizer", optimizer)  # unwrap AcceleratedOptimizer / Fabric's wrapper
-    if "bitsandbytes" not in type(optimizer).__module__:
-        return
-    import bitsandbytes as bnb
-
-    manager = bnb.optim.GlobalOptimManager.get_instance()
-    modules = {id(m) for m in model.modules()}
-    manager.module_weight_config_triple[:] = [t for t in manager.module_weight_config_triple if id(t[0]) not in modules]
-    for gi, group in enumerate(optimizer.param_groups):
-        for pi, p in enumerate(group["params"]):
-            if manager.pid2config.pop(id(p), None) is not None:
-                manager.index2config.pop((gi, pi), None)
+    if "bitsandbytes" in type(optimizer).__module__:
+        release_overrides(model, optimizer)
 
 
 # --------------------------------------------------------------------------------------------------- runners

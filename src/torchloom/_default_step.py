@@ -53,21 +53,16 @@ class DefaultTrainStep:
             hooks.before_optimizer_step(model, optimizer, accelerator, progress)
             if optimizer is not self._wrapped:
                 self._wrapped, self._direct = optimizer, direct_optimizer(optimizer, accelerator)
-            inner = self._direct
-            if inner is not None:  # what the wrapper would do, without its per-step look-ups
-                inner.step()
-            else:
-                optimizer.step()
+            # What the wrapper would do, without its per-step look-ups, where that is all it does.
+            target = optimizer if self._direct is None else self._direct
+            target.step()
             # An fp16 overflow makes the loss scaler skip optimizer.step(); the schedule must not advance. (Only
             # with a scaler is this more than False, and then Accelerate has already synced to find out.)
-            if inner is None and optimizer.step_was_skipped:
+            if optimizer.step_was_skipped:
                 self.scaler_skipped_steps += 1
             elif scheduler is not None:
                 scheduler.step()
-            if inner is not None:
-                inner.zero_grad(set_to_none=True)
-            else:
-                optimizer.zero_grad(set_to_none=True)
+            target.zero_grad(set_to_none=True)
             hooks.after_optimizer_step(model, optimizer, scheduler, accelerator, progress)
         outputs["loss"] = loss.detach()
         return outputs

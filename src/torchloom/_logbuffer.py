@@ -22,7 +22,7 @@ class LogBuffer:
     A plain value is folded into a running sum (``mean``: with its weight), maximum, minimum or latest value
     on its own device, so logging never waits for the device. A `torchmetrics.Metric` is registered as it
     is; `reduce` computes it (torchmetrics synchronises its state over the ranks then) and resets it.
-    A tensor logged with ``reduce="mean"`` (the engine's per-micro-batch loss through `append`, a gradient norm,
+    A tensor logged with ``reduce="mean"`` (the engine's per-micro-batch loss, a gradient norm,
     a task's ``self.log`` in ``training_step``) is kept in a list and folded with the others of its name at
     once, with one stack, when the buffer is read or the list reaches `APPEND_FOLD` entries: logging a tensor
     every step costs no device operation until the logging step.
@@ -38,23 +38,14 @@ class LogBuffer:
         self.metrics: dict[str, Any] = {}  # name -> torchmetrics.Metric
         self._appended: dict[str, tuple[list[torch.Tensor], list[Any]]] = {}  # name -> (values, weights)
 
-    def append(self, name: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
-        """Add ``value`` to the weighted mean of ``name`` without a device operation now (the engine's hot path).
-
-        Args:
-            name (`str`): a name logged only through `append` (and `log` with ``reduce="mean"``) in this interval.
-            value (`torch.Tensor`): a 0-dim floating-point tensor, detached; already checked by the caller.
-            weight (`torch.Tensor` or `float`): a 0-dim tensor or a number >= 0, already checked by the caller.
-        """
-        pending = self._appended.get(name)
-        if pending is None:
-            if self._reductions.get(name, "mean") != "mean":
-                raise TaskError(f"log({name!r}): logged with reduce={self._reductions[name]!r} and reduce='mean'")
-            self._reductions[name] = "mean"
-            pending = self._appended[name] = ([], [])
-        pending[0].append(value)
-        pending[1].append(weight)
-        if len(pending[0]) >= self.APPEND_FOLD:
+    def _append(self, name: str, value: torch.Tensor, weight: torch.Tensor | float) -> None:
+        """Keep ``value`` (a checked 0-dim tensor, detached) and its ``weight`` for the weighted mean of ``name``,
+        to be folded with the others by `_fold`: no device operation now."""
+        self._reductions[name] = "mean"
+        values, weights = self._appended.setdefault(name, ([], []))
+        values.append(value)
+        weights.append(weight)
+        if len(values) >= self.APPEND_FOLD:
             self._fold(name)
 
     def _fold(self, name: str | None = None) -> None:
@@ -67,7 +58,7 @@ class LogBuffer:
                 stacked = torch.stack(values)
             else:
                 stacked = torch.stack([v.to(values[0].device, torch.float64) for v in values])
-            dtype = torch.float64 if stacked.device.type != "mps" else torch.float32
+            dtype = _sum_dtype(stacked.device)
             stacked = stacked.to(dtype)
             if all(isinstance(w, int | float) for w in weights):
                 total_weight: Any = float(sum(weights))
@@ -119,11 +110,11 @@ class LogBuffer:
             raise TaskError(f"log({name!r}): a weight applies to reduce='mean' only, not to reduce={reduce!r}")
         if deferred and isinstance(value, torch.Tensor):  # no device operation now: one stack at the interval
             value = value.detach()
-            self.append(name, value if value.ndim == 0 else value.reshape(()), weight)
+            self._append(name, value if value.ndim == 0 else value.reshape(()), weight)
             return
         if isinstance(value, torch.Tensor):
             value = value.detach().reshape(())
-            value = value.to(torch.float64 if value.device.type != "mps" else torch.float32)
+            value = value.to(_sum_dtype(value.device))
         self._reductions[name] = reduce
         if reduce == "mean":
             if isinstance(weight, torch.Tensor):
@@ -227,7 +218,7 @@ class LogBuffer:
         return reduced
 
     def _reduce_values(self, names: list[str], accelerator: Any) -> dict[str, float]:
-        dtype = torch.float64 if accelerator.device.type != "mps" else torch.float32
+        dtype = _sum_dtype(accelerator.device)
 
         def column(values: list[Any]) -> torch.Tensor:
             return torch.stack([torch.as_tensor(v, dtype=dtype).to(accelerator.device) for v in values])
@@ -247,6 +238,11 @@ class LogBuffer:
         kinds = [self._reductions[n] for n in names]
         result = torch.stack([combined[k][i] for i, k in enumerate(kinds)]).tolist()
         return dict(zip(names, result))
+
+
+def _sum_dtype(device: torch.device) -> torch.dtype:
+    """The dtype logged values are summed in on ``device``: float64, or float32 on MPS (which has no float64)."""
+    return torch.float64 if device.type != "mps" else torch.float32
 
 
 def _is_metric(value: Any) -> bool:

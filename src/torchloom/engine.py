@@ -276,14 +276,7 @@ class Engine:
         if self.config.nonfinite_loss == "skip":  # the skipped micro-batches do not count in train/loss
             finite = torch.isfinite(loss)
             loss, items = torch.where(finite, loss, 0.0), finite.to(loss.dtype) * items
-        if type(items) in (float, int) or (type(items) is torch.Tensor and items.ndim == 0):
-            plain = isinstance(loss, torch.Tensor) and loss.ndim == 0 and not loss.is_complex()
-        else:
-            plain = False
-        if plain:
-            self.logs.train.append("train/loss", loss.detach(), items)  # folded at the logging interval
-        else:  # what a replaced step returned: checked (a TaskError) as any logged value is
-            self.logs.train.log("train/loss", loss, items)
+        self.logs.train.log("train/loss", loss, items)  # kept on the device, folded at the logging interval
         if isinstance(items, torch.Tensor):  # its sign is checked at the logging interval, on the device
             self.logs.train.log(NEGATIVE_ITEMS, (items < 0).to(torch.float32))
         return outputs
