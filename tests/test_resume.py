@@ -139,7 +139,22 @@ def test_c11_resume_at_step_7_exactly_as_the_case(c11, tmp_path) -> None:
     assert c.probe.ids[:6] == a.probe.ids[14:20]  # the rest of epoch 1's own permutation, not epoch 0's
     assert c.engine.progress.global_step == 15
     manifest = json.loads((Path(b.checkpoint) / "manifest.json").read_text())
-    assert manifest["position"] == {"epoch": 1, "batches_done": 2, "epoch_finished": False}
+    seed = 0 if settings.get("seed", 0) == 0 else None
+    order = {
+        "dataset_length": 10,
+        "total_batch_size": 2,
+        "batches_per_epoch": 5,
+        "world_size": 1,
+        "sampler": "SeedableRandomSampler" if seed == 0 else "RandomSampler",
+        "sampler_seed": seed,
+    }
+    assert manifest["position"] == {
+        "epoch": 1,
+        "batches_done": 2,
+        "samples_done": 4,  # of epoch 1's global order
+        "epoch_finished": False,
+        "order": order,
+    }
 
 
 @pytest.mark.parametrize("stop", [{"save_at": [15]}, {"save_epoch_end": [2]}], ids=["step15", "epoch2_end"])
@@ -337,16 +352,91 @@ def test_a_malicious_pickle_is_refused_without_running_it(ckpt, tmp_path) -> Non
     assert live.exists()
 
     marker = tmp_path / "payload-ran"
-    optimizer_bin = ckpt / "accelerate" / "optimizer.bin"
-    torch.save(_Payload(marker), optimizer_bin)
-    manifest_path = ckpt / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    data = optimizer_bin.read_bytes()  # the manifest agrees with it: only the content can refuse it
-    manifest["files"]["accelerate/optimizer.bin"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    manifest_path.write_text(json.dumps(manifest))
+    torch.save(_Payload(marker), ckpt / "accelerate" / "optimizer.bin")
+    _add_to_manifest(ckpt, "accelerate/optimizer.bin")
     with pytest.raises(torchloom.CheckpointError, match=r"accelerate/ holds objects other than tensors"):
         _resume(ShuffleTask, tmp_path, ckpt)
     assert not marker.exists()
+
+
+def _add_to_manifest(ckpt: Path, name: str) -> None:
+    """List ``ckpt/name`` in the manifest with its real size and hash: only its content can refuse it."""
+    manifest_path = ckpt / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    data = (ckpt / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_holds_no_pickle_of_random_states(saved) -> None:
+    """The random states are each process's engine state (JSON and safetensors), not Accelerate's pickle."""
+    files = json.loads((Path(saved) / "manifest.json").read_text())["files"]
+    assert not [name for name in files if name.endswith(".pkl")]
+    assert {"engine/process_0/process.json", "engine/process_0/process.safetensors"} <= files.keys()
+    process = json.loads((Path(saved) / "engine" / "process_0" / "process.json").read_text())["state"]
+    assert sorted(process["random_states"]) == ["numpy", "python", "torch"]
+    assert len(process["random_states"]["python"]["internal"]) == 625
+
+
+def test_a_planted_random_state_pickle_is_refused_even_when_listed(ckpt, tmp_path) -> None:
+    """Accelerate's loader unpickles ``random_states_<rank>.pkl`` and skips it in silence when torch refuses it:
+    a checkpoint that holds one is refused before anything is loaded, and its payload never runs."""
+    marker = tmp_path / "payload-ran"
+    torch.save(_Payload(marker), ckpt / "accelerate" / "random_states_0.pkl")
+    _add_to_manifest(ckpt, "accelerate/random_states_0.pkl")
+    with pytest.raises(
+        torchloom.CheckpointError, match=r"holds a pickle of random states \(accelerate/random_states_0"
+    ):
+        _resume(ShuffleTask, tmp_path, ckpt)
+    assert not marker.exists()
+
+
+class _Hooks:
+    """Records the fit hooks that fire."""
+
+    name = "test.hooks"
+
+    def __init__(self) -> None:
+        self.fired: list[str] = []
+
+    @torchloom.hookimpl
+    def on_fit_start(self) -> None:
+        self.fired.append("on_fit_start")
+
+    @torchloom.hookimpl
+    def on_exception(self) -> None:
+        self.fired.append("on_exception")
+
+    @torchloom.hookimpl
+    def on_fit_end(self) -> None:
+        self.fired.append("on_fit_end")
+
+    @torchloom.hookimpl
+    def teardown(self) -> None:
+        self.fired.append("teardown")
+
+
+@pytest.mark.parametrize("refusal", ["shape", "changed_file", "missing_process_state"])
+def test_a_refused_resume_is_a_failed_set_up(ckpt, tmp_path, refusal) -> None:
+    """Nothing was trained: the run directory the fit created is removed again, and only ``teardown`` fires."""
+    make: Any = ShuffleTask
+    if refusal == "shape":
+        make = lambda: ShuffleTask(hidden=9)  # noqa: E731
+    elif refusal == "changed_file":
+        (ckpt / "engine" / "engine.json").write_text("{}")
+    else:
+        shutil.rmtree(ckpt / "engine" / "process_0")
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("engine/process_0/")}
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    output_dir = tmp_path / "out"
+    fit(ShuffleTask, output_dir, max_epochs=1)  # a finished run in the same output_dir stays as it was
+    before = sorted(p.name for p in output_dir.iterdir())
+    hooks = _Hooks()
+    with pytest.raises(torchloom.CheckpointError):
+        fit(make, output_dir, [hooks], ckpt_path=str(ckpt))
+    assert sorted(p.name for p in output_dir.iterdir()) == before == ["latest", "version_0"]
+    assert hooks.fired == ["teardown"]
 
 
 # ------------------------------------------------------------------------------------- killed during a save

@@ -557,20 +557,15 @@ def _info_lines(summary: dict[str, Any]) -> list[str]:
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
     """Write ``data`` as strict JSON (a non-finite number as the string ``"NaN"`` / ``"Infinity"`` /
-    ``"-Infinity"``, as in ``metrics.jsonl``) through a temporary file in the same directory and a rename.
+    ``"-Infinity"``, as in ``metrics.jsonl``) atomically (`torchloom.write_atomically`).
 
     Raises:
         RunFileError: the file cannot be written (the message names it and the OS error).
     """
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
     text = json.dumps(_strict(data), indent=2, allow_nan=False) + "\n"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)  # readers see no file or the whole file
+        torchloom.write_atomically(path, text)  # readers see no file or the whole file
     except OSError as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise torchloom.RunFileError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
 
 

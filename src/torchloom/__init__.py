@@ -46,6 +46,7 @@ _EXPORTS = {
     "request_stop": "torchloom._logging",
     "save_checkpoint": "torchloom.checkpoint",
     "save_plugin_state": "torchloom.state",
+    "write_atomically": "torchloom._atomic",
 }
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "request_stop",
     "save_checkpoint",
     "save_plugin_state",
+    "write_atomically",
 ]
 
 
@@ -96,6 +98,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from torchloom._atomic import write_atomically
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
     from torchloom._logging import request_stop

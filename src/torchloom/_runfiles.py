@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import yaml
 from accelerate.utils import broadcast_object_list
-from safetensors import SafetensorError
 
+from torchloom._atomic import atomic_directory, remove_orphans, temporary_path, write_atomically, write_failure
 from torchloom._export import MODEL_CARD, model_card
 from torchloom._guards import check_finite_parameters
 from torchloom._logging import active_run_log
+from torchloom.checkpoint import CHECKPOINTS_DIR
 from torchloom.errors import RunFileError
 from torchloom.hookspecs import hookimpl
 
@@ -42,7 +43,6 @@ __all__ = [
 
 VERSION = re.compile(r"version_(\d+)")
 LATEST = "latest"
-_TEMPORARY = re.compile(r"\.(?:.+)\.tmp-(\d+)$")  # .config.yaml.tmp-<pid>, .latest.tmp-<pid>
 
 
 def create_run_dir(output_dir: str, accelerator: Any) -> str:
@@ -88,24 +88,36 @@ def finish_fit(task: Any, run: Any, config: Any) -> None:
         TaskError: a weight is NaN or infinite (``nonfinite_loss`` other than ``"ignore"``).
         RunFileError: the model, its card or the link cannot be written.
     """
+    acc = run.accelerator
     if config.save_model:
         if config.nonfinite_loss != "ignore":
-            check_finite_parameters(run.model.parameters(), run.accelerator, "it is not saved")
+            check_finite_parameters(run.model.parameters(), acc, "it is not saved")
         path = os.path.join(run.run_dir, "model")
+        pid = [os.getpid()]
+        if acc.num_processes > 1:
+            broadcast_object_list(pid)  # every process passes the main process's temporary directory
         try:
-            task.save_model(path)
-        except (OSError, SafetensorError) as exc:  # safetensors reports a failed write as its own error
-            reason = getattr(exc, "strerror", None) or re.sub(r"^.*I/O error: | \(os error \d+\)$", "", str(exc))
+            # Written under .model.tmp-<pid> and renamed when complete (the card included): a save killed half-way
+            # leaves only that directory, which the next run in output_dir removes.
+            with atomic_directory(path, pid=pid[0], rename=acc.is_main_process) as tmp:
+                task.save_model(str(tmp))
+                if acc.is_main_process and tmp.is_dir():  # an overridden save_model may write elsewhere
+                    write_model_card(str(tmp), run)
+        except Exception as exc:
+            reason = write_failure(exc, path)
+            if reason is None:
+                raise
             raise RunFileError(f"cannot save the model to {path!r}: {reason}") from exc
-        if run.accelerator.is_main_process and os.path.isdir(path):  # an overridden save_model may write elsewhere
-            write_model_card(path, run)
-    if run.accelerator.is_main_process:
+        acc.wait_for_everyone()  # the model is in place on return, on every process
+    if acc.is_main_process:
         link = os.path.join(config.output_dir, LATEST)
-        tmp = os.path.join(config.output_dir, f".{LATEST}.tmp-{os.getpid()}")
+        tmp_link = temporary_path(link)
         try:
-            os.symlink(os.path.basename(run.run_dir), tmp)
-            os.replace(tmp, link)  # a symlink replaced in one step: readers see the old run or the new one
+            os.symlink(os.path.basename(run.run_dir), tmp_link)
+            os.replace(tmp_link, link)  # a symlink replaced in one step: readers see the old run or the new one
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_link)
             raise RunFileError(f"cannot point {link!r} at {run.run_dir!r}: {exc.strerror or exc}") from exc
 
 
@@ -194,41 +206,23 @@ def _make_version_dir(root: str) -> str:
 
 
 def _remove_orphans(root: str) -> None:
-    """Remove the ``.<name>.tmp-<pid>`` files of processes that no longer run (a save killed half-way), in
-    ``root`` and in its run directories, and their checkpoints' temporary directories."""
-    from torchloom.checkpoint import remove_orphans
-
-    folders = [root, *(os.path.join(root, n) for n in os.listdir(root) if VERSION.fullmatch(n))]
-    for folder in folders[1:]:
-        remove_orphans(folder)  # checkpoint directories a killed save or deletion left half-written
-    for folder in folders:
-        for name in os.listdir(folder) if os.path.isdir(folder) else ():
-            match = _TEMPORARY.fullmatch(name)
-            if match and not _alive(int(match.group(1))):
-                with contextlib.suppress(OSError):  # another process cleaned it first
-                    os.remove(os.path.join(folder, name))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Remove what saves killed half-way left (`torchloom._atomic`: entries of processes that no longer run) in
+    ``root``, in its run directories and in their checkpoint folders."""
+    runs = [os.path.join(root, n) for n in os.listdir(root) if VERSION.fullmatch(n)]
+    for folder in [root, *runs, *(os.path.join(run, CHECKPOINTS_DIR) for run in runs)]:
+        remove_orphans(folder)
 
 
 def _replace_atomically(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never half a file."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    """Write ``text`` to ``path`` through a temporary file and a rename: never half a file.
+
+    Raises:
+        RunFileError: it cannot be written.
+    """
     try:
-        _write(tmp, text)
-        os.replace(tmp, path)
-    except RunFileError:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        write_atomically(path, text)
+    except OSError as exc:
+        raise RunFileError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
 
 
 def _write(path: str, text: str) -> None:

@@ -3,15 +3,16 @@
 A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
 
 - ``accelerate/``: what `accelerate.Accelerator.save_state` writes: the model weights (``model.safetensors``, or
-  the sharded files of FSDP / DeepSpeed), the optimizer state (``optimizer.bin``), the fp16 loss scaler
-  (``scaler.pt``), and each process's random states and gradient-accumulation micro-step counter
-  (``random_states_<rank>.pkl``). Accelerate reads them back with ``torch.load(weights_only=True)`` (numpy
-  arrays allowed for the random states), and no custom object is ever registered with it, so none of these
-  files can run code when loaded.
-- ``engine/``: the engine's counters, the data position (epoch, batches consumed in it, the sampler seed), and
-  the learning-rate scheduler's state; in ``engine/process_<rank>/`` what is each process's own: the partial
-  sums of the values logged since the last logging step, and the states of the generators its data loader
-  draws from as an epoch starts, as the epoch to resume in started: JSON and safetensors (`torchloom.state`).
+  the sharded files of FSDP / DeepSpeed), the optimizer state (``optimizer.bin``) and the fp16 loss scaler
+  (``scaler.pt``). Accelerate reads them back with ``torch.load(weights_only=True)``, and no custom object is
+  ever registered with it, so none of these files can run code when loaded. The pickle of random states that
+  ``save_state`` also writes (``random_states_<rank>.pkl``) is removed: the random states are the engine's.
+- ``engine/``: the engine's counters, the data position (the epoch, the samples of its global order consumed,
+  and what defines that order: see `torchloom._data_position`), and the learning-rate scheduler's state; in
+  ``engine/process_<rank>/`` what is each process's own: its random states (Python, numpy, torch, CUDA), the
+  partial sums of the values logged since the last logging step, and the states of the generators its data
+  loader draws from as an epoch starts, as the epoch to resume in started: JSON and safetensors
+  (`torchloom.state`), read without pickle.
 - ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
@@ -32,7 +33,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
@@ -41,8 +41,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 
+from torchloom import _atomic as atomic
+from torchloom._atomic import temporary_path
+from torchloom._data_position import DataOrder, layout_problems
 from torchloom.errors import CheckpointError, RunFileError
 from torchloom.state import _stateful, load_plugin_state, save_plugin_state
 
@@ -56,11 +59,15 @@ __all__ = [
     "save_checkpoint",
 ]
 
-FORMAT, VERSION = "torchloom.checkpoint", 1
+#: Version 2: the data position in samples of the global order with what defines that order, and the random
+#: states in the process's engine state (no pickle).
+FORMAT, VERSION = "torchloom.checkpoint", 2
+#: The random-state pickle Accelerate's ``save_state`` writes for each process; a checkpoint keeps none (the
+#: states are in ``engine/process_<rank>/``).
+_ACCELERATE_RANDOM_STATES = "random_states_{}.pkl"
 MANIFEST = "manifest.json"
 #: The folder of a run directory that holds its checkpoints.
 CHECKPOINTS_DIR = "checkpoints"
-_TEMPORARY = re.compile(r"\.(.+)\.(?:tmp|deleting)-(\d+)$")
 _CHUNK = 1 << 20
 _UNCHECKED: Any = object()  # check_compatible: an argument not to compare
 
@@ -129,8 +136,8 @@ def write_checkpoint(
     """Write a checkpoint into ``directory`` atomically (every process calls this); return its path.
 
     ``engine_state`` is the main process's; ``process_state`` (each process's own: its partial log sums, its
-    data generators) is written by every process, to ``engine/process_<rank>/``, and `load_checkpoint` merges it
-    into the engine state of the same process.
+    data generators) is written by every process, with its random states (`random_states`), to
+    ``engine/process_<rank>/``, and `load_checkpoint` merges it into the engine state of the same process.
 
     Raises:
         CheckpointError: ``directory`` exists.
@@ -144,31 +151,63 @@ def write_checkpoint(
         broadcast_object_list(message)  # every process writes into the main process's temporary directory
     if message[0] is not None:
         raise CheckpointError(message[0])
-    tmp = final.parent / f".{final.name}.tmp-{message[1]}"
+    tmp, main = temporary_path(final, pid=message[1]), accelerator.is_main_process
+    own_state = {**(process_state or {}), "random_states": random_states()}  # what save_state would pickle
+    try:
+        failure = _agree(accelerator, _write_parts(tmp, accelerator, plugins, scheduler, engine_state, own_state))
+        if failure is None and main:  # every process's files are complete
+            try:
+                manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics)
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+                _fsync_tree(tmp)
+                os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
+                _fsync_dir(final.parent)
+            except Exception as exc:
+                failure = atomic.write_failure(exc, tmp)
+                if failure is None:
+                    raise
+        if accelerator.num_processes > 1:  # no process goes on before the checkpoint exists (or failed)
+            answer = [failure]
+            broadcast_object_list(answer)
+            failure = answer[0]
+        if failure is not None:
+            raise RunFileError(f"cannot write checkpoint {str(final)!r}: {failure}")
+    except BaseException:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left on a full disk
+        raise
+    return str(final)
+
+
+def _write_parts(
+    tmp: Path, accelerator: Any, plugins: Iterable[Any], scheduler: Any, engine_state: Any, own_state: Any
+) -> str | None:
+    """Write this process's files of a checkpoint into ``tmp``; return why a write failed (`atomic.write_failure`),
+    ``None`` when all were written. Any other error (a plugin's bad state) propagates: it happens on every rank."""
+    main = accelerator.is_main_process
     try:
         accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
-        main = accelerator.is_main_process
+        (tmp / "accelerate" / _ACCELERATE_RANDOM_STATES.format(accelerator.process_index)).unlink(missing_ok=True)
         save_plugin_state(plugins, tmp / "plugins", is_main_process=main)
         own = [_Named("engine", lambda: engine_state, _no_load)]
         if scheduler is not None:
             own.append(_Named("lr_scheduler", scheduler.state_dict, _no_load))
         save_plugin_state(own, tmp / "engine", is_main_process=main)
-        if process_state is not None:
-            mine = [_Named("process", lambda: process_state, _no_load)]
-            save_plugin_state(mine, tmp / "engine" / f"process_{accelerator.process_index}")
-        accelerator.wait_for_everyone()  # every process's files are complete
-        if main:
-            manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics)
-            _write_json(tmp / MANIFEST, manifest)
-            _fsync_tree(tmp)
-            os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
-            _fsync_dir(final.parent)
-    except OSError as exc:
-        if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise RunFileError(f"cannot write checkpoint {str(final)!r}: {exc.strerror or exc}") from exc
-    accelerator.wait_for_everyone()  # no process goes on before the checkpoint exists
-    return str(final)
+        mine = [_Named("process", lambda: own_state, _no_load)]
+        save_plugin_state(mine, tmp / "engine" / f"process_{accelerator.process_index}")
+    except Exception as exc:
+        failure = atomic.write_failure(exc, tmp)
+        if failure is None:
+            raise
+        return failure if accelerator.num_processes == 1 else f"process {accelerator.process_index}: {failure}"
+    return None
+
+
+def _agree(accelerator: Any, failure: str | None) -> str | None:
+    """The first process's failure, the same on every process (one small object gather with several)."""
+    if accelerator.num_processes == 1:
+        return failure
+    return next((f for f in gather_object([failure]) if f is not None), None)
 
 
 def _no_load(state: dict[str, Any]) -> None:  # pragma: no cover - never called on save
@@ -248,12 +287,16 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
 def verify_files(directory: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
     """Check that ``directory`` holds exactly the files its manifest lists, each of the listed size and SHA-256.
 
+    Symbolic links are followed (a checkpoint copied with ``cp -rs``, or with linked folders, is read through
+    them): what they point to is what is checked.
+
     Raises:
-        CheckpointError: a file is missing, was added (a planted pickle, say) or changed since it was written.
+        CheckpointError: a file is missing (or a link to nothing), was added (a planted pickle, say) or changed
+            since it was written.
     """
     root = Path(directory)
     listed = manifest.get("files") or {}
-    present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} - {MANIFEST}
+    present = set(_files(root)) - {MANIFEST}
     extra = sorted(present - set(listed))
     if extra:
         raise CheckpointError(
@@ -263,12 +306,31 @@ def verify_files(directory: str | os.PathLike[str], manifest: Mapping[str, Any])
     for name, entry in listed.items():
         path = root / name
         if not path.is_file():
-            raise CheckpointError(f"checkpoint {str(root)!r} is incomplete: {name} is missing")
+            what = (
+                f"{name} is a symbolic link to {os.readlink(path)!r}, which does not exist"
+                if path.is_symlink()
+                else f"{name} is missing"
+            )
+            raise CheckpointError(f"checkpoint {str(root)!r} is incomplete: {what}")
         if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
             raise CheckpointError(
                 f"checkpoint {str(root)!r}: {name} changed since the checkpoint was written (size or SHA-256 "
                 "differs from its manifest); refused"
             )
+
+
+def _files(root: Path) -> list[str]:
+    """Every file under ``root`` (relative, POSIX), following links to folders (each real folder once)."""
+    found, seen = [], set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree
+            dirs.clear()
+            continue
+        seen.add(real)
+        for name in files:
+            found.append((Path(folder) / name).relative_to(root).as_posix())
+    return found
 
 
 def list_checkpoints(path: str | os.PathLike[str]) -> list[str]:
@@ -332,15 +394,18 @@ def check_compatible(
     reset_optimizer: bool,
     plugins: Iterable[Any] | None = None,
     scheduler: Any = _UNCHECKED,
+    data: DataOrder | None = None,
 ) -> bool:
     """Compare a checkpoint with the run about to load it; return whether to load the optimizer's state.
 
-    ``plugins`` (the run's plugins) and ``scheduler`` (the run's, or ``None``) are compared when given.
+    ``plugins`` (the run's plugins), ``scheduler`` (the run's, or ``None``) and ``data`` (the `DataOrder` of the
+    run's training data, see `torchloom._data_position.layout_problems`) are compared when given.
 
     Raises:
         CheckpointError: another number of processes, other parameter names or shapes, another optimizer
-            class without ``reset_optimizer``, another set of stateful plugins, or a learning-rate scheduler on
-            one side only: one message listing what differs.
+            class without ``reset_optimizer``, another set of stateful plugins, a learning-rate scheduler on
+            one side only, or training data in which the checkpoint's epoch cannot be continued exactly: one
+            message listing what differs.
     """
     problems = []
     if manifest.get("world_size") != accelerator.num_processes:
@@ -383,6 +448,8 @@ def check_compatible(
                 if saved_scheduler
                 else "this run has a learning-rate scheduler and the checkpoint holds none"
             )
+    if data is not None and manifest.get("world_size") == accelerator.num_processes:
+        problems += layout_problems(manifest.get("position") or {}, data)
     if problems:
         raise CheckpointError("cannot resume from checkpoint: " + "; ".join(problems))
     return load_optimizer and not reset_optimizer
@@ -397,17 +464,20 @@ def load_checkpoint(
     scheduler: Any,
     plugins: Iterable[Any],
     reset_optimizer: bool = False,
+    data: DataOrder | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load a checkpoint into a prepared run (every process); return ``(engine_state, manifest)``, the engine
     state with this process's own part (``engine/process_<rank>/``) merged in.
 
-    The random states are restored too (by Accelerate); the engine restores them once more after the resumed
-    epoch's first batch is drawn, so that starting the data loader does not shift them.
+    This process's random states are restored too (``engine_state["random_states"]``); the engine restores them
+    once more after the resumed epoch's first batch is drawn, so that starting the data loader does not shift
+    them. Accelerate's gradient-accumulation micro-step counter is not restored: a checkpoint is always at the
+    end of an accumulation window, where it starts again from 0.
 
     Raises:
         CheckpointError: not a checkpoint, incompatible with this run (`check_compatible`: also another set of
-            stateful plugins, or a scheduler on one side only), altered files, or a file that cannot be loaded
-            safely.
+            stateful plugins, a scheduler on one side only, or training data ``data`` that cannot continue the
+            checkpoint's epoch), altered files, or a file that cannot be loaded safely.
         PluginError: a plugin's saved state does not match its files, or the plugin rejects it.
     """
     manifest = read_manifest(directory)
@@ -420,8 +490,17 @@ def load_checkpoint(
         reset_optimizer=reset_optimizer,
         plugins=plugins,
         scheduler=scheduler,
+        data=data,
     )
     root = Path(directory)
+    _check_complete(root, manifest, accelerator, plugins, scheduler)
+    pickled_states = sorted(p.name for p in (root / "accelerate").glob(_ACCELERATE_RANDOM_STATES.format("*")))
+    if pickled_states:  # Accelerate's load_state would try to unpickle it, and skip it in silence if refused
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} holds a pickle of random states (accelerate/{pickled_states[0]}), which a "
+            "torchloom checkpoint never writes (its random states are in engine/process_<rank>/); refused without "
+            "loading it"
+        )
     states: dict[str, dict[str, Any]] = {}
 
     def keep(name: str) -> Callable[[dict[str, Any]], None]:
@@ -432,12 +511,20 @@ def load_checkpoint(
         own.append(_Named("lr_scheduler", scheduler.state_dict, keep("lr_scheduler")))
     load_plugin_state(own, root / "engine")  # read and checked before anything of the run changes
     process_dir = root / "engine" / f"process_{accelerator.process_index}"
-    if process_dir.is_dir():  # this process's own part of the engine state
-        load_plugin_state([_Named("process", dict, keep("process"))], process_dir)
+    if not process_dir.is_dir():
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} holds no state of process {accelerator.process_index} "
+            f"(engine/process_{accelerator.process_index}/: its random states and data generators)"
+        )
+    load_plugin_state([_Named("process", dict, keep("process"))], process_dir)  # this process's own part
     load_plugin_state(plugins, root / "plugins")  # every file checked before any plugin's load_state_dict
     fresh_optimizer = None if load_optimizer else _copy_state(optimizer.state_dict())
     try:
         accelerator.load_state(str(root / "accelerate"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} is incomplete: Accelerate needs {exc.filename or exc}, which it does not hold"
+        ) from None
     except Exception as exc:
         if type(exc).__name__ == "UnpicklingError" or "weights_only" in str(exc):
             raise CheckpointError(
@@ -449,7 +536,26 @@ def load_checkpoint(
         optimizer.load_state_dict(fresh_optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(states["lr_scheduler"])
-    return {**states["engine"], **states.get("process", {})}, manifest
+    engine_state = {**states["engine"], **states["process"]}
+    set_random_states(engine_state["random_states"])
+    return engine_state, manifest
+
+
+def _check_complete(root: Path, manifest: Mapping[str, Any], accelerator: Any, plugins: Any, scheduler: Any) -> None:
+    """Raise if the manifest lacks a file this run loads (a manifest edited to drop one, with the file)."""
+    required = ["engine/engine", f"engine/process_{accelerator.process_index}/process"]
+    required += ["engine/lr_scheduler"] if scheduler is not None else []
+    required += [f"plugins/{name}" for name, _ in _stateful(plugins)]
+    names = [f"{stem}.{suffix}" for stem in required for suffix in ("json", "safetensors")]
+    if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        names += ["accelerate/model.safetensors", "accelerate/optimizer.bin"]  # FSDP / DeepSpeed shard theirs
+    names += ["accelerate/scaler.pt"] if accelerator.scaler is not None else []
+    missing = [name for name in names if name not in (manifest.get("files") or {})]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} is incomplete: it lacks {', '.join(missing)}, which this run loads (its "
+            "manifest lists no such file)"
+        )
 
 
 def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -462,10 +568,20 @@ def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def random_states() -> dict[str, Any]:
-    """This process's random states: Python's, numpy's, torch's CPU generator and every CUDA device's."""
+    """This process's random states: Python's, numpy's, torch's CPU generator and every CUDA device's, in the
+    plugin-state format of `torchloom.state` (plain values and tensors), so a checkpoint stores them without
+    pickle."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     states: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -474,12 +590,31 @@ def random_states() -> dict[str, Any]:
 
 
 def set_random_states(states: Mapping[str, Any]) -> None:
-    """Restore what `random_states` returned."""
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state_all(states["cuda"])
+    """Restore what `random_states` returned.
+
+    Raises:
+        CheckpointError: ``states`` is not what `random_states` returns (a part is missing or of another type).
+    """
+    try:
+        py, npy = states["python"], states["numpy"]
+        python_state = (py["version"], tuple(py["internal"]), py["gauss_next"])
+        numpy_state = (
+            npy["kind"],
+            npy["keys"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        )
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(states["torch"])
+        if "cuda" in states:
+            torch.cuda.set_rng_state_all(states["cuda"])
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"the saved random states cannot be restored ({type(exc).__name__}: {exc}); expected what "
+            "torchloom.checkpoint.random_states() returns"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------------ files
@@ -487,14 +622,8 @@ def set_random_states(states: Mapping[str, Any]) -> None:
 
 def remove_orphans(run_dir: str | os.PathLike[str]) -> None:
     """Remove the temporary directories that a killed save or deletion left in ``<run_dir>/checkpoints`` (their
-    process no longer runs)."""
-    from torchloom._runfiles import _alive
-
-    folder = Path(run_dir) / CHECKPOINTS_DIR
-    for entry in folder.iterdir() if folder.is_dir() else ():
-        match = _TEMPORARY.fullmatch(entry.name)
-        if match and entry.is_dir() and not _alive(int(match.group(2))):
-            shutil.rmtree(entry, ignore_errors=True)
+    process no longer runs; see `torchloom._atomic`)."""
+    atomic.remove_orphans(Path(run_dir) / CHECKPOINTS_DIR)
 
 
 def delete_checkpoint(directory: str | os.PathLike[str]) -> None:
@@ -508,9 +637,7 @@ def delete_checkpoint(directory: str | os.PathLike[str]) -> None:
     path = Path(directory)
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"delete_checkpoint({str(path)!r}): not a checkpoint (no {MANIFEST}); nothing deleted")
-    hidden = path.parent / f".{path.name}.deleting-{os.getpid()}"
-    os.rename(path, hidden)
-    shutil.rmtree(hidden)
+    atomic.delete_directory(path)
 
 
 def _sha256(path: Path) -> str:
@@ -519,12 +646,6 @@ def _sha256(path: Path) -> str:
         while chunk := file.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _write_json(path: Path, value: Any) -> None:
-    with path.open("w", encoding="utf-8") as file:
-        json.dump(value, file, indent=1, sort_keys=True, allow_nan=True)
-        file.write("\n")
 
 
 def _fsync_tree(root: Path) -> None:

@@ -19,6 +19,7 @@ from accelerate.data_loader import get_sampler
 from accelerate.utils import gather_object
 
 from torchloom._accelerator import build_accelerator, note_run_failed
+from torchloom._data_position import data_order, position, resume_point
 from torchloom._default_step import DefaultTrainStep
 from torchloom._guards import (
     NEGATIVE_ITEMS,
@@ -44,7 +45,6 @@ from torchloom.checkpoint import (
     active_saver,
     find_checkpoint,
     load_checkpoint,
-    random_states,
     set_random_states,
     write_checkpoint,
 )
@@ -167,13 +167,13 @@ class Engine:
         self.progress, self._checks = Progress(), TrainingChecks(self.config.nonfinite_loss)
         self.stop_reason, self._validated_at, self.resumed_from = None, -1, resume_path
         self._resumed_generators = None  # a resume sets them (nothing left from a fit that failed early)
+        first_epoch, skip, rng, counters = (
+            self._resume(run, resume_path, reset_optimizer) if resume_path else (0, 0, None, None)
+        )
         end = {"accelerator": acc, "task": task, "model": model}
         error: BaseException | None = None
         try:
             with self.logs.active(), active_saver(lambda directory: self._save_checkpoint(run, directory)):
-                first_epoch, skip, rng, counters = (
-                    self._resume(run, resume_path, reset_optimizer) if resume_path else (0, 0, None, None)
-                )
                 start = {"optimizer": run.optimizer, "scheduler": run.scheduler, "log": self.logs.log}
                 relay.call("on_fit_start", **end, **start, progress=self.progress)
                 if counters:  # after on_fit_start, which starts the default step's counters at 0
@@ -329,14 +329,13 @@ class Engine:
         if directory is None:
             name = f"step-{p.global_step:08d}" + ("-epoch-end" if self._position["epoch_finished"] else "")
             directory = os.path.join(run.run_dir, CHECKPOINTS_DIR, name)
-        sampler = get_sampler(run.train_dataloader)
+        order = data_order(run.train_dataloader, run.accelerator.num_processes)
         state = {
             "progress": dataclasses.asdict(p),
-            "position": dict(self._position),
+            "position": position(**self._position, order=order),
             "validated_at": self._validated_at,
             "checks": {"checked_step": self._checks.checked_step, "scaler_skips": self._checks.scaler_skips},
             "default_step": [self._default_step.skipped_steps, self._default_step.scaler_skipped_steps],
-            "sampler_seed": getattr(sampler, "initial_seed", None),
         }
         # This process's data generators as the epoch to resume in starts: this one's, or (at its end) the next's.
         generators = (
@@ -358,7 +357,18 @@ class Engine:
 
     def _resume(self, run: Run, path: str, reset_optimizer: bool) -> tuple[int, int, Any, tuple[int, int]]:
         """Load the checkpoint at ``path`` into the prepared run; return ``(epoch, batches to skip in it, random
-        states to restore once its loader started, the default step's counters)``."""
+        states to restore once its loader started, the default step's counters)``. Part of the set-up: a refused
+        checkpoint removes the run directory and fires ``teardown`` (nothing was trained)."""
+        try:
+            return self._load_checkpoint(run, path, reset_optimizer)
+        except BaseException as exc:
+            note_run_failed()
+            discard_run_dir(run.run_dir, run.accelerator)
+            self._end(run, "fit", exc)
+            raise
+
+    def _load_checkpoint(self, run: Run, path: str, reset_optimizer: bool) -> tuple[int, int, Any, tuple[int, int]]:
+        order = data_order(run.train_dataloader, run.accelerator.num_processes)
         state, _ = load_checkpoint(
             path,
             accelerator=run.accelerator,
@@ -367,14 +377,15 @@ class Engine:
             scheduler=run.scheduler,
             plugins=self.plugins,
             reset_optimizer=reset_optimizer,
+            data=order,
         )
         if reset_optimizer and run.accelerator.is_main_process:
             warnings.warn(
                 f"resuming from {path!r} with reset_optimizer=True: the optimizer starts with fresh state",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        rng = random_states()  # as Accelerate restored them
+        rng = state["random_states"]  # as load_checkpoint restored them
         self.progress = Progress(**state["progress"])
         self._validated_at = state["validated_at"]
         self._checks.checked_step, self._checks.scaler_skips = (
@@ -382,14 +393,12 @@ class Engine:
             state["checks"]["scaler_skips"],
         )
         self.logs.train.load_state_dict(state["log_buffer"], run.accelerator.device)
-        sampler = get_sampler(run.train_dataloader)
-        if state["sampler_seed"] is not None and hasattr(sampler, "initial_seed"):
-            sampler.initial_seed = state["sampler_seed"]
+        sampler, saved_seed = get_sampler(run.train_dataloader), state["position"]["order"]["sampler_seed"]
+        if saved_seed is not None and hasattr(sampler, "initial_seed"):
+            sampler.initial_seed = saved_seed  # every later epoch is drawn as the checkpoint's run drew it
         self._resumed_generators = state.get("data_generators")
-        position = state["position"]
-        if position["epoch_finished"]:
-            return position["epoch"] + 1, 0, rng, tuple(state["default_step"])
-        return position["epoch"], position["batches_done"], rng, tuple(state["default_step"])
+        epoch, skip = resume_point(state["position"], order)
+        return epoch, skip, rng, tuple(state["default_step"])
 
     # --------------------------------------------------------------------------------- validate / predict
 

@@ -26,18 +26,16 @@ Each stateful plugin gets two files in ``directory``, named after the plugin:
 
 Loading reads these two files with ``safetensors.torch.load_file`` and ``json`` and nothing else: no pickle,
 no ``torch.load``, so a planted file (Accelerate's ``custom_checkpoint_0.pkl``, say) is never executed.
-Each file is written to a temporary file in ``directory`` and renamed into place (``os.replace``), so a
-crash never leaves a half-written file under the final name.
+Each file is written in a temporary directory next to it and moved into place (``os.replace``,
+`torchloom.write_atomically`), so a crash never leaves a half-written file under the final name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +43,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from torchloom._atomic import write_atomically
 from torchloom.errors import PluginError
 from torchloom.plugins import plugin_name
 
@@ -300,25 +299,11 @@ def _tensor_devices(state: Any) -> dict[str, torch.device]:
 
 
 def _write(root: Path, name: str, tree: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Write one plugin's two files, the tensors first: the JSON file is the one that names them."""
-    _write_atomically(root / f"{name}.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    """Write one plugin's two files atomically (`torchloom.write_atomically`), the tensors first: the JSON file
+    is the one that names them."""
+    write_atomically(root / f"{name}.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     document = {"format": FORMAT, "version": VERSION, "plugin": name, "state": tree}
-    text = json.dumps(document, allow_nan=False, ensure_ascii=False) + "\n"
-    _write_atomically(root / f"{name}.json", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-def _write_atomically(path: Path, write: Callable[[str], object]) -> None:
-    """``write(temporary path)`` in ``path``'s directory, then rename it to ``path`` (atomic on POSIX and
-    Windows); the temporary file is removed if anything fails."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomically(root / f"{name}.json", json.dumps(document, allow_nan=False, ensure_ascii=False) + "\n")
 
 
 def _type_name(value: Any) -> str:

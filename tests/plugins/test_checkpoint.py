@@ -48,9 +48,11 @@ def test_step_and_epoch_schedules_save_where_they_say(tmp_path):
     ]
     manifest = read_manifest(Path(engine.run_dir) / "checkpoints" / "step-00000009")
     assert (manifest["global_step"], manifest["epoch"]) == (9, 1)
-    assert manifest["position"] == {"epoch": 1, "batches_done": 1, "epoch_finished": False}
+    position = {k: manifest["position"][k] for k in ("epoch", "batches_done", "samples_done", "epoch_finished")}
+    assert position == {"epoch": 1, "batches_done": 1, "samples_done": 4, "epoch_finished": False}
     epoch_end = read_manifest(Path(engine.run_dir) / "checkpoints" / "step-00000008-epoch-end")
-    assert epoch_end["position"] == {"epoch": 0, "batches_done": 8, "epoch_finished": True}
+    position = {k: epoch_end["position"][k] for k in ("epoch", "batches_done", "samples_done", "epoch_finished")}
+    assert position == {"epoch": 0, "batches_done": 8, "samples_done": 32, "epoch_finished": True}
 
 
 def test_keep_last_deletes_older_checkpoints_completely(tmp_path):
