@@ -126,10 +126,9 @@ def fingerprint(source: Any) -> str:
     if pd is not None and isinstance(source, pd.DataFrame):
         digest.update(json.dumps([[str(c), str(t)] for c, t in source.dtypes.items()]).encode())
         digest.update(pd.util.hash_pandas_object(source, index=True).to_numpy().tobytes())
+        # pandas hashes the object values 1 and "1" alike, but they become other columns, other labels
         for i, dtype in enumerate(source.dtypes):
-            if pd.api.types.is_object_dtype(
-                dtype
-            ):  # pandas hashes 1 and "1" alike, but they become other labels, other columns
+            if pd.api.types.is_object_dtype(dtype):
                 types = source.iloc[:, i].map(lambda value: type(value).__qualname__)
                 digest.update(pd.util.hash_pandas_object(types, index=False).to_numpy().tobytes())
         return digest.hexdigest()
@@ -375,7 +374,8 @@ def _first_difference(recorded: Any, requested: Any, name: str = "") -> tuple[st
             if difference is not None:
                 return difference
         return None
-    same = recorded == requested and type(recorded) is type(requested)  # True == 1, but not as a setting
+    # As JSON text: true is not 1 (though True == 1), and a NaN equals itself
+    same = json.dumps(recorded, sort_keys=True) == json.dumps(requested, sort_keys=True)
     return None if same else (name or "the settings", recorded, requested)
 
 
