@@ -330,6 +330,21 @@ def test_cache_key_changes_with_every_setting_and_the_raw_data(folders, tmp_path
     assert key(moved, val) != base
 
 
+def test_a_swapped_audio_entry_is_refused_and_the_classes_are_recorded(tmp_path):
+    train = make_folder(tmp_path / "train", n=6)
+    cache = tmp_path / "cache"
+    long, short = prepared(train, cache_dir=cache), prepared(train, max_duration=0.5, cache_dir=cache)
+    assert long.cache.info(long.cache_path.name)["settings"]["classes"] == ["high", "low", "mid"] == long.label_names
+    long.cache_path.rename(cache / "swap")
+    short.cache_path.rename(long.cache_path)
+    with pytest.raises(torchloom.ConfigError) as caught:
+        prepared(train, cache_dir=cache)
+    assert str(caught.value) == (
+        f"processed-dataset cache entry '{long.cache_path}' was built from other settings than this request's: "
+        "max_duration is 0.5 in the entry but 1.0 now; delete that directory to rebuild it"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 

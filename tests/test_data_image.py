@@ -273,6 +273,73 @@ def test_cache_key_changes_with_every_setting_and_the_raw_data(folders, tmp_path
     assert cache_key(**ImageClassificationData(table, cache_dir=tmp_path).cache_settings()) != before
 
 
+def test_an_empty_class_folder_is_an_error_that_names_it_and_its_split(tmp_path):
+    train = make_folder(tmp_path / "train", {"a": 2, "b": 2})
+    assert prepared(train, cache_dir=tmp_path / "cache").label_names == ["a", "b"]
+    (train / "aa").mkdir()  # sorts between a and b: as a class it would move b from id 1 to id 2
+    (train / "aa" / "notes.txt").write_text("not an image")
+    with pytest.raises(ConfigError) as caught:  # not served the entry of the folder without it
+        prepared(train, cache_dir=tmp_path / "cache")
+    assert str(caught.value) == (
+        f"ImageClassificationData train data: class folder '{train / 'aa'}' has no image files; expected at least "
+        "one image in each class sub-folder: add images, remove the folder, or set allow_empty_classes=True to keep "
+        "it as a class with no samples"
+    )
+    val = make_folder(tmp_path / "val", {"a": 1, "b": 1}, seed=1)
+    (val / "a2").mkdir()
+    (val / "a3").mkdir()
+    with pytest.raises(ConfigError) as caught:
+        prepared(make_folder(tmp_path / "t2", {"a": 1, "a2": 1, "a3": 1, "b": 1}), val, cache_dir=tmp_path / "c2")
+    assert str(caught.value).startswith(
+        f"ImageClassificationData validation data: class folder '{val / 'a2'}' has no image files (nor do 'a3'); "
+    )
+    assert not (tmp_path / "c2").exists()  # refused before anything was cached
+
+
+def test_folders_that_differ_by_an_empty_class_folder_get_other_keys_and_their_own_labels(tmp_path):
+    first = make_folder(tmp_path / "first", {"a": 2, "b": 2})
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    (second / "aa").mkdir()
+    cache = tmp_path / "cache"
+    one = prepared(first, allow_empty_classes=True, cache_dir=cache)
+    assert one.label_names == ["a", "b"] and one.train_dataset[:]["labels"].tolist() == [0, 0, 1, 1]
+    two = prepared(second, allow_empty_classes=True, cache_dir=cache)
+    assert two.cache_hit is False and two.cache_path != one.cache_path
+    assert two.label_names == ["a", "aa", "b"] and two.train_dataset[:]["labels"].tolist() == [0, 0, 2, 2]
+    assert two.cache.info(two.cache_path.name)["settings"]["classes"] == ["a", "aa", "b"]
+    # allow_empty_classes only decides whether the folder is an error; it is not part of the key
+    assert prepared(first, cache_dir=cache).cache_path == one.cache_path
+
+
+def test_a_cache_entry_built_from_other_settings_is_refused_not_returned(tmp_path):
+    folder = make_folder(tmp_path / "f", {"a": 2, "b": 2})
+    cache = tmp_path / "cache"
+    rgb, grey = prepared(folder, cache_dir=cache), prepared(folder, mode="L", cache_dir=cache)
+    # the two entries swap places (copied by hand, restored from a backup, renamed by a script)
+    rgb.cache_path.rename(cache / "swap")
+    grey.cache_path.rename(rgb.cache_path)
+    (cache / "swap").rename(grey.cache_path)
+    with pytest.raises(ConfigError) as caught:
+        prepared(folder, cache_dir=cache)
+    assert str(caught.value) == (
+        f"processed-dataset cache entry '{rgb.cache_path}' was built from other settings than this request's: "
+        'transform.mode is "L" in the entry but "RGB" now; delete that directory to rebuild it'
+    )
+    # and an entry replaced between prepare_data and setup is refused by setup the same way
+    shutil.rmtree(cache)
+    data = ImageClassificationData(folder, mode="L", cache_dir=cache)
+    data.prepare_data()
+    assert data.cache_hit is False and data.cache_path == grey.cache_path
+    prepared(folder, cache_dir=cache)
+    shutil.rmtree(grey.cache_path)
+    shutil.copytree(rgb.cache_path, grey.cache_path)
+    with pytest.raises(ConfigError) as caught:
+        data.setup("fit")
+    assert 'transform.mode is "RGB" in the entry but "L" now; delete that directory' in str(caught.value)
+    assert data.train_dataset is None
+
+
 # ------------------------------------------------------------------------------------------------- errors
 
 

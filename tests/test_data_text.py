@@ -203,6 +203,49 @@ def test_fingerprint_of_tables_is_content_based():
         cache_key(tokenizer=object())
 
 
+def test_a_directory_fingerprint_sees_every_entry(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "a").mkdir(parents=True)
+    (tree / "a" / "1.txt").write_text("one")
+    before = fingerprint(tree)
+    (tree / "b").mkdir()  # an empty directory (an empty class folder) is an input
+    with_empty = fingerprint(tree)
+    (tree / "b" / "c").mkdir()
+    assert len({before, with_empty, fingerprint(tree)}) == 3
+    # files are framed: two files do not hash like one file holding both names and contents
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.mkdir(), one.mkdir()
+    (two / "a").write_bytes(b"1")
+    (two / "b").write_bytes(b"2")
+    (one / "a").write_bytes(b"1b\x002")
+    assert fingerprint(two) != fingerprint(one)
+    # the files of a linked directory count (listing an image folder follows the link), and a loop ends
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.txt").write_text("x")
+    (tree / "linked").symlink_to(outside, target_is_directory=True)
+    (tree / "loop").symlink_to(tree, target_is_directory=True)
+    linked = fingerprint(tree)
+    (outside / "x.txt").write_text("y")
+    assert fingerprint(tree) != linked
+
+
+def test_a_table_fingerprint_sees_the_type_of_each_value(files, tmp_path):
+    # pandas hashes the object values 10 and "10" alike, but the first gives 11 classes, the second 3
+    numbers = pd.DataFrame(
+        {"review": ["good tea", "bad tea", "fine tea"], "score": pd.Series([10, 0, 1], dtype=object)}
+    )
+    strings = numbers.assign(score=pd.Series(["10", "0", "1"], dtype=object))
+    assert fingerprint(numbers) != fingerprint(strings)
+    one = make_data(numbers, cache_dir=tmp_path / "cache")
+    one.prepare_data(), one.setup("fit")
+    assert one.label_names == [str(i) for i in range(11)] and one.train_dataset["labels"] == [10, 0, 1]
+    two = make_data(strings, cache_dir=tmp_path / "cache")
+    two.prepare_data(), two.setup("fit")
+    assert two.cache_hit is False and two.cache_path != one.cache_path
+    assert two.label_names == ["0", "1", "10"] and two.train_dataset["labels"] == [2, 0, 1]
+
+
 # -------------------------------------------------------------------------------------------- the cache
 
 
@@ -270,6 +313,62 @@ def test_cache_writes_atomically(tmp_path):
     assert "k2" not in cache
     with pytest.raises(KeyError):
         cache.load("k2")
+
+
+def test_an_entry_is_checked_against_the_settings_it_records(tmp_path):
+    cache = DatasetCache(tmp_path)
+    settings = {"data": {"train": "abc", "validation": "def"}, "max_length": 16, "names": ["a", "b"], "flag": True}
+    key = cache_key(**settings)
+    cache.save(key, datasets.Dataset.from_dict({"x": [1, 2]}), settings=settings)
+    assert cache.info(key)["settings"] == settings and cache.load(key, settings)["x"] == [1, 2]
+    cache.check(key, {**settings, "names": ("a", "b")})  # compared as JSON: a tuple is a list
+    entry = tmp_path / key
+
+    def refused(**changes) -> str:
+        with pytest.raises(torchloom.ConfigError) as caught:
+            cache.check(key, {**settings, **changes})
+        return str(caught.value)
+
+    assert refused(data={"train": "abc", "validation": "xyz"}) == (
+        f"processed-dataset cache entry '{entry}' was built from other settings than this request's: "
+        'data.validation is "def" in the entry but "xyz" now; delete that directory to rebuild it'
+    )
+    assert 'names is ["a", "b"] in the entry but ["b", "a"] now' in refused(names=["b", "a"])
+    assert "flag is true in the entry but 1 now" in refused(flag=1)
+    assert "seed is (not set) in the entry but 3 now" in refused(seed=3)
+    with pytest.raises(torchloom.ConfigError, match=r"max_length is 16 in the entry but 17 now"):
+        cache.load(key, {**settings, "max_length": 17})
+    with pytest.raises(torchloom.ConfigError, match=r"max_length is 16 in the entry but 17 now"):
+        cache.get_or_build(key, lambda: datasets.Dataset.from_dict({"x": [0]}), settings={**settings, "max_length": 17})
+    assert cache.load(key)["x"] == [1, 2]  # without settings nothing is compared
+    cache.save("bare", datasets.Dataset.from_dict({"x": [1]}))
+    with pytest.raises(torchloom.ConfigError) as caught:
+        cache.check("bare", settings)
+    assert str(caught.value) == (
+        f"processed-dataset cache entry '{tmp_path / 'bare'}' records no settings to check against this request's; "
+        "delete that directory to rebuild it"
+    )
+    (entry / "torchloom_cache.json").write_text("{not json")
+    with pytest.raises(torchloom.ConfigError, match=r"its torchloom_cache\.json cannot be read \(Expecting"):
+        cache.check(key, settings)
+    with pytest.raises(KeyError):
+        cache.check("absent", settings)
+
+
+def test_a_swapped_text_entry_is_refused(files, tmp_path):
+    cache = tmp_path / "cache"
+    short, long = make_data(*files, cache_dir=cache), make_data(*files, cache_dir=cache, max_length=24)
+    for data in (short, long):
+        data.prepare_data()
+    short.cache_path.rename(cache / "swap")
+    long.cache_path.rename(short.cache_path)
+    again = make_data(*files, cache_dir=cache)
+    with pytest.raises(torchloom.ConfigError) as caught:
+        again.prepare_data()
+    assert str(caught.value) == (
+        f"processed-dataset cache entry '{short.cache_path}' was built from other settings than this request's: "
+        "max_length is 24 in the entry but 16 now; delete that directory to rebuild it"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- errors

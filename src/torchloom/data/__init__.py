@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         encode_labels,
         load_tokenizer,
         read_table,
+        resolve_label_names,
         tokenize,
         tokenizer_fingerprint,
     )
@@ -78,6 +79,7 @@ _LAZY = {
     "encode_labels": "torchloom.data.text",
     "load_tokenizer": "torchloom.data.text",
     "read_table": "torchloom.data.text",
+    "resolve_label_names": "torchloom.data.text",
     "tokenize": "torchloom.data.text",
     "tokenizer_fingerprint": "torchloom.data.text",
 }
@@ -113,6 +115,7 @@ __all__ = [
     "read_image_folder",
     "read_table",
     "resample",
+    "resolve_label_names",
     "tokenize",
     "tokenizer_fingerprint",
 ]

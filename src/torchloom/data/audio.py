@@ -54,7 +54,7 @@ from torch.utils.data import DataLoader
 
 from torchloom.data.cache import DatasetCache, cache_key, fingerprint
 from torchloom.data.module import DataModule
-from torchloom.data.text import encode_labels, read_table
+from torchloom.data.text import encode_labels, read_table, resolve_label_names
 from torchloom.errors import ConfigError
 
 __all__ = [
@@ -801,6 +801,7 @@ class AudioClassificationData(DataModule):
         self.val_dataset: datasets.Dataset | None = None
         self._tables: dict[str, tuple[datasets.Dataset, Path | None]] = {}
         self._key: str | None = None
+        self._settings: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -827,25 +828,30 @@ class AudioClassificationData(DataModule):
 
         Each split enters as its `audio_fingerprint` (its table and the bytes of every clip it names); the
         feature extractor as its class and full configuration (`feature_extractor_fingerprint`); then the
-        sample rate, the duration, the resampler and its quality, the columns, the label names and the versions
-        of the libraries that decode, resample and featurise. ``max_*_samples``, batch sizes and shuffling are
-        left out: they act after the cache.
+        sample rate, the duration, the resampler and its quality, the columns, the label names (the setting, and
+        the class names in id order that the labels are encoded with: ``classes``, `resolve_label_names`) and the
+        versions of the libraries that decode, resample and featurise. ``max_*_samples``, batch sizes and
+        shuffling are left out: they act after the cache.
 
         Raises:
-            ConfigError: a missing path, folder metadata, column or clip, or an empty split.
+            ConfigError: a missing path, folder metadata, column or clip, an empty split, or labels that cannot be
+                encoded.
         """
         import soundfile
 
-        data = {}
-        for split, source in self.sources().items():
+        data, names = {}, self.label_names_setting
+        for split, source in self.sources().items():  # "train" first: it fixes the label names, as in `_build`
             table, base = self._table(split, source)
-            data[split] = audio_fingerprint(table, self.audio_column, base, f"{type(self).__name__} {split} data")
+            where = f"{type(self).__name__} {split} data"
+            data[split] = audio_fingerprint(table, self.audio_column, base, where)
+            names = resolve_label_names(table, self.label_column, names, where)
         return {
             "kind": "torchloom.data.audio.AudioClassificationData",
             "data": data,
             "audio_column": self.audio_column,
             "label_column": self.label_column,
             "label_names": self.label_names_setting,
+            "classes": list(names or []),
             "sample_rate": self.sample_rate,
             "max_duration": self.max_duration,
             "features": feature_extractor_fingerprint(self.feature_extractor),
@@ -864,14 +870,16 @@ class AudioClassificationData(DataModule):
         """Decode and featurise the splits and save them to the cache, or find them already there."""
         settings = self.cache_settings()
         self._key = key = cache_key(**settings)
+        self._settings = settings
         self.cache_path = self.cache.path(key)
         if key in self.cache:
+            self.cache.check(key, settings)  # an entry under this key built from other settings is refused
             self.cache_hit = True
             logger.info("%s: loading the processed splits from %s", type(self).__name__, self.cache_path)
             return
         self.cache_hit = False
         logger.info("%s: decoding and featurising; the result goes to %s", type(self).__name__, self.cache_path)
-        self.cache.save(key, self._build(), info={"settings": settings})
+        self.cache.save(key, self._build(), settings=settings)
 
     def _build(self) -> datasets.DatasetDict:
         names = self.label_names_setting
@@ -898,7 +906,7 @@ class AudioClassificationData(DataModule):
         if self._key is None or self._key not in self.cache:
             self.prepare_data()
         assert self._key is not None
-        splits = self.cache.load(self._key)
+        splits = self.cache.load(self._key, self._settings)
         self.cache_path = self.cache.path(self._key)
         self.label_names = list(splits["train"].features["labels"].names)
         self.train_dataset = self._subset(splits["train"], self.max_train_samples)

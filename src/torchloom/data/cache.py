@@ -9,14 +9,20 @@ Entries are written atomically: a dataset is saved into a temporary directory ne
 renamed into place only once it is complete, so a crash or an interrupted run never leaves a half-written
 entry under a valid key, and a concurrent reader sees either nothing or the whole entry.
 
+Each entry records the settings its key was made from (in ``torchloom_cache.json``). A request that passes its
+settings (``load(key, settings)``, ``check``, ``get_or_build(..., settings=...)``) gets the entry only if the recorded
+settings equal its own; an entry moved, copied or renamed under another key is refused with a `ConfigError` that
+names the entry, the first setting that differs and both values, instead of being returned as if it matched.
+
 Example:
 
 .. code-block:: python
 
     from torchloom.data.cache import DatasetCache, cache_key, fingerprint
 
-    key = cache_key(raw=fingerprint("reviews.csv"), tokenizer="bert-base-uncased", max_length=128)
-    dataset, hit = DatasetCache("~/.cache/torchloom/processed").get_or_build(key, build_the_dataset)
+    settings = {"raw": fingerprint("reviews.csv"), "tokenizer": "bert-base-uncased", "max_length": 128}
+    cache = DatasetCache("~/.cache/torchloom/processed")
+    dataset, hit = cache.get_or_build(cache_key(**settings), build_the_dataset, settings=settings)
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from torchloom.errors import ConfigError
 __all__ = ["DatasetCache", "cache_key", "default_cache_dir", "fingerprint"]
 
 #: Bump when the layout of cached entries or the meaning of a key changes: old entries are then ignored.
-CACHE_FORMAT = 1
-#: The file that marks a complete entry; it holds the settings the key was made from (for people, not code).
+#: 2: directory fingerprints hash sub-directories (an empty class folder) and frame every entry; settings checked.
+CACHE_FORMAT = 2
+#: The file that marks a complete entry; it holds the settings the key was made from, checked when it is loaded.
 INFO_FILE = "torchloom_cache.json"
 
 _CHUNK = 1 << 20
@@ -76,8 +83,11 @@ def fingerprint(source: Any) -> str:
         source: one of
 
             - a path (`str` or `os.PathLike`) to a file: the hash of its bytes (not of its name);
-            - a path to a directory: the hash of every file's relative path and bytes, in sorted order;
-            - a `pandas.DataFrame`: the hash of its column names, dtypes, index and values;
+            - a path to a directory: the hash of every entry below it, in sorted order: each sub-directory's
+              relative path (an empty one included) and each file's relative path and bytes; symbolic links to
+              directories are followed (each real directory once);
+            - a `pandas.DataFrame`: the hash of its column names, dtypes, index and values, and of the Python type
+              of every value in an ``object`` column (``1`` and ``"1"`` differ);
             - a `datasets.Dataset`: the hash of its features and of the contents of the rows it shows, in order
               (a ``select`` / ``shuffle`` view hashes its own rows);
             - a `datasets.DatasetDict`: the hash of every split's fingerprint, by split name.
@@ -94,16 +104,11 @@ def fingerprint(source: Any) -> str:
         path = Path(source).expanduser()
         if not path.exists():
             raise ConfigError(f"data path '{path}' does not exist")
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        for file in files:
-            if path.is_dir():  # a single file is hashed by content alone: renaming it keeps its fingerprint
-                digest.update(str(file.relative_to(path)).encode() + b"\0")
-            try:
-                with open(file, "rb") as f:
-                    while chunk := f.read(_CHUNK):
-                        digest.update(chunk)
-            except OSError as exc:
-                raise ConfigError(f"data path '{file}' cannot be read: {exc.strerror or exc}") from None
+        if not path.is_dir():  # a single file is hashed by content alone: renaming it keeps its fingerprint
+            _hash_file(path, digest)
+            return digest.hexdigest()
+        for entry in _directory_entries(path):  # framed, so that no two trees give the same stream
+            digest.update(entry)
         return digest.hexdigest()
     if isinstance(source, datasets.DatasetDict):
         for split in sorted(source):
@@ -121,6 +126,11 @@ def fingerprint(source: Any) -> str:
     if pd is not None and isinstance(source, pd.DataFrame):
         digest.update(json.dumps([[str(c), str(t)] for c, t in source.dtypes.items()]).encode())
         digest.update(pd.util.hash_pandas_object(source, index=True).to_numpy().tobytes())
+        # pandas hashes the object values 1 and "1" alike, but they become other columns, other labels
+        for i, dtype in enumerate(source.dtypes):
+            if pd.api.types.is_object_dtype(dtype):
+                types = source.iloc[:, i].map(lambda value: type(value).__qualname__)
+                digest.update(pd.util.hash_pandas_object(types, index=False).to_numpy().tobytes())
         return digest.hexdigest()
     raise TypeError(
         f"fingerprint: cannot hash a {type(source).__name__}; expected a path, a pandas.DataFrame, "
@@ -128,8 +138,52 @@ def fingerprint(source: Any) -> str:
     )
 
 
+def _hash_file(file: Path, digest: Any) -> Any:
+    try:
+        with open(file, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    except OSError as exc:
+        raise ConfigError(f"data path '{file}' cannot be read: {exc.strerror or exc}") from None
+    return digest
+
+
+def _directory_entries(root: Path) -> list[bytes]:
+    """Every sub-directory and file below ``root``, each as framed bytes (kind, relative POSIX path, content hash).
+
+    Links to directories are followed, as listing an image folder does, so a linked class folder's files count; a
+    directory reached again (a second link to it, or a link loop) is recorded as the same as the path it was first
+    reached by, and not entered again. Directories are walked in sorted order, so the result is deterministic.
+    """
+    entries: list[tuple[str, bytes]] = []
+    first_seen = {os.path.realpath(root): "."}
+    for top, dirs, files in os.walk(root, followlinks=True, onerror=_raise_walk_error):
+        base = Path(top)
+        dirs.sort()
+        for name in list(dirs):
+            relative = (base / name).relative_to(root).as_posix()
+            real = os.path.realpath(base / name)
+            if real in first_seen:
+                dirs.remove(name)
+                entries.append((relative, b"same\0" + relative.encode() + b"\0" + first_seen[real].encode()))
+            else:
+                first_seen[real] = relative
+                entries.append((relative, b"dir\0" + relative.encode()))
+        for name in files:
+            file = base / name
+            if file.is_file():  # a broken link or a socket is not data
+                relative = file.relative_to(root).as_posix()
+                content = _hash_file(file, hashlib.sha256()).digest()
+                entries.append((relative, b"file\0" + relative.encode() + b"\0" + content))
+    return [framed + b"\0" for _, framed in sorted(entries, key=lambda entry: entry[0])]
+
+
+def _raise_walk_error(exc: OSError) -> None:
+    raise ConfigError(f"data path '{exc.filename}' cannot be read: {exc.strerror or exc}")
+
+
 class DatasetCache:
-    """Processed datasets on disk, one directory per key, written atomically.
+    """Processed datasets on disk, one directory per key, written atomically, checked when loaded.
 
     Args:
         root (`str` or `os.PathLike`, *optional*): the directory that holds the entries; created when the
@@ -137,7 +191,9 @@ class DatasetCache:
 
     Each entry ``<root>/<key>/`` is what `datasets.Dataset.save_to_disk` (or
     `datasets.DatasetDict.save_to_disk`) wrote, plus ``torchloom_cache.json`` with the settings the key was
-    made from. An entry without that file is incomplete and never loaded.
+    made from (under ``"settings"``). An entry without that file is incomplete and never loaded. Given the
+    settings of a request, `load`, `check` and `get_or_build` return an entry only if its recorded settings equal
+    them, so an entry that sits under another key (copied, renamed, swapped) is refused rather than returned.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
@@ -152,14 +208,22 @@ class DatasetCache:
     def __contains__(self, key: str) -> bool:
         return (self.path(key) / INFO_FILE).is_file()
 
-    def load(self, key: str) -> datasets.Dataset | datasets.DatasetDict:
+    def load(self, key: str, settings: Mapping[str, Any] | None = None) -> datasets.Dataset | datasets.DatasetDict:
         """Load the entry ``key`` with `datasets.load_from_disk` (memory-mapped, nothing is recomputed).
+
+        Args:
+            key (`str`): from `cache_key`.
+            settings (`Mapping`, *optional*): the settings the key was made from; when given, the entry is
+                loaded only if it records the same settings (`check`).
 
         Raises:
             KeyError: there is no complete entry for ``key``.
-            ConfigError: the entry exists but cannot be read (names its directory; delete it to rebuild).
+            ConfigError: the entry exists but cannot be read, or (with ``settings``) records other settings (names
+                its directory and the first setting that differs; delete it to rebuild).
         """
-        if key not in self:
+        if settings is not None:
+            self.check(key, settings)
+        elif key not in self:
             raise KeyError(key)
         path = self.path(key)
         try:
@@ -170,20 +234,63 @@ class DatasetCache:
             ) from None
 
     def info(self, key: str) -> dict[str, Any]:
-        """Return the settings stored with the entry ``key``.
+        """Return what ``torchloom_cache.json`` of the entry ``key`` holds: ``key``, ``cache_format``, ``settings``.
 
         Raises:
             KeyError: there is no complete entry for ``key``.
+            ConfigError: the file cannot be read or is not a JSON object (names the entry; delete it to rebuild).
         """
         if key not in self:
             raise KeyError(key)
-        return json.loads((self.path(key) / INFO_FILE).read_text(encoding="utf-8"))
+        path = self.path(key)
+        try:
+            record = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"processed-dataset cache entry '{path}': its {INFO_FILE} cannot be read ({exc}); delete that "
+                "directory to rebuild it"
+            ) from None
+        if not isinstance(record, dict):
+            raise ConfigError(
+                f"processed-dataset cache entry '{path}': its {INFO_FILE} holds a {type(record).__name__}, not an "
+                "object; delete that directory to rebuild it"
+            )
+        return record
+
+    def check(self, key: str, settings: Mapping[str, Any]) -> None:
+        """Check that the entry ``key`` was built from ``settings``: the ones it records must equal them.
+
+        Args:
+            key (`str`): from `cache_key`.
+            settings (`Mapping`): the request's settings, as passed to `cache_key` (compared as JSON).
+
+        Raises:
+            KeyError: there is no complete entry for ``key``.
+            ConfigError: the entry records no settings, or other ones (names the entry's directory, the first
+                setting that differs with both values, and says to delete the directory).
+        """
+        record = self.info(key)
+        path = self.path(key)
+        if "settings" not in record:
+            raise ConfigError(
+                f"processed-dataset cache entry '{path}' records no settings to check against this request's; "
+                "delete that directory to rebuild it"
+            )
+        difference = _first_difference(record["settings"], _as_json(settings))
+        if difference is not None:
+            name, recorded, requested = difference
+            raise ConfigError(
+                f"processed-dataset cache entry '{path}' was built from other settings than this request's: "
+                f"{name} is {_show(recorded)} in the entry but {_show(requested)} now; delete that directory to "
+                "rebuild it"
+            )
 
     def save(
         self,
         key: str,
         dataset: datasets.Dataset | datasets.DatasetDict,
         info: Mapping[str, Any] | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> Path:
         """Save ``dataset`` as the entry ``key``, atomically, and return the entry's directory.
 
@@ -194,7 +301,9 @@ class DatasetCache:
         Args:
             key (`str`): from `cache_key`.
             dataset (`datasets.Dataset` or `datasets.DatasetDict`): what to store.
-            info (`Mapping`, *optional*): JSON-like settings stored in ``torchloom_cache.json``.
+            info (`Mapping`, *optional*): JSON-like values stored in ``torchloom_cache.json``, for people.
+            settings (`Mapping`, *optional*): the settings ``key`` was made from, stored in ``torchloom_cache.json``
+                as ``"settings"`` (overriding one in ``info``); `check` compares a later request with them.
 
         Raises:
             ConfigError: ``root`` cannot be created or written (names it).
@@ -208,6 +317,8 @@ class DatasetCache:
         try:
             dataset.save_to_disk(str(tmp))
             record = {"key": key, "cache_format": CACHE_FORMAT, **(info or {})}
+            if settings is not None:
+                record["settings"] = settings
             (tmp / INFO_FILE).write_text(json.dumps(record, indent=2, default=_jsonable), encoding="utf-8")
             try:
                 os.rename(tmp, final)
@@ -223,17 +334,62 @@ class DatasetCache:
         key: str,
         build: Callable[[], datasets.Dataset | datasets.DatasetDict],
         info: Mapping[str, Any] | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> tuple[datasets.Dataset | datasets.DatasetDict, bool]:
         """Load the entry ``key``, or call ``build()``, save what it returns, and load that.
+
+        Args:
+            key (`str`): from `cache_key`.
+            build (`Callable`): makes the dataset when there is no entry.
+            info (`Mapping`, *optional*): stored with a new entry (`save`).
+            settings (`Mapping`, *optional*): the settings ``key`` was made from: stored with a new entry, and
+                checked against an existing one (`check`).
 
         Returns:
             ``(dataset, hit)``: the memory-mapped dataset, and whether it came from the cache (``build`` was
             not called).
+
+        Raises:
+            ConfigError: an existing entry records other settings than ``settings``, or cannot be read (`load`).
         """
         if key in self:
-            return self.load(key), True
-        self.save(key, build(), info)
-        return self.load(key), False
+            return self.load(key, settings), True
+        self.save(key, build(), info, settings)
+        return self.load(key, settings), False
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as it reads back from ``torchloom_cache.json`` (tuples as lists, paths as strings)."""
+    return json.loads(json.dumps(value, default=_jsonable))
+
+
+def _first_difference(recorded: Any, requested: Any, name: str = "") -> tuple[str, Any, Any] | None:
+    """``(dotted name, recorded value, requested value)`` of the first setting that differs, or ``None``."""
+    if isinstance(recorded, dict) and isinstance(requested, dict):
+        for field in [*requested, *(f for f in recorded if f not in requested)]:
+            here = f"{name}.{field}" if name else str(field)
+            if field not in recorded or field not in requested:
+                return here, recorded.get(field, _MISSING), requested.get(field, _MISSING)
+            difference = _first_difference(recorded[field], requested[field], here)
+            if difference is not None:
+                return difference
+        return None
+    # As JSON text: true is not 1 (though True == 1), and a NaN equals itself
+    same = json.dumps(recorded, sort_keys=True) == json.dumps(requested, sort_keys=True)
+    return None if same else (name or "the settings", recorded, requested)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(not set)"
+
+
+_MISSING = _Missing()
+
+
+def _show(value: Any, limit: int = 120) -> str:
+    text = repr(value) if isinstance(value, _Missing) else json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _jsonable(value: Any) -> Any:

@@ -51,7 +51,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from torchloom.data.cache import DatasetCache, cache_key, fingerprint
 from torchloom.data.module import DataModule
-from torchloom.data.text import encode_labels
+from torchloom.data.text import encode_labels, resolve_label_names
 from torchloom.errors import ConfigError
 
 try:
@@ -220,6 +220,7 @@ def read_image_folder(
     label_column: str = "label",
     label_names: Sequence[str] | None = None,
     name: str = "data",
+    allow_empty_classes: bool = False,
 ) -> datasets.Dataset:
     """List an image folder with one sub-folder per class: ``root/<class>/<image>`` (nested folders allowed).
 
@@ -233,6 +234,9 @@ def read_image_folder(
         label_names (`Sequence[str]`, *optional*): the classes in id order; every sub-folder must be one of them
             (a validation folder may lack some). Defaults to the sorted sub-folder names.
         name (`str`, defaults to ``"data"``): what to call it in error messages.
+        allow_empty_classes (`bool`, defaults to False): keep a class sub-folder without image files as a class
+            with no samples here (its name still takes its place, and id, among the classes). By default such a
+            folder is an error: it would shift the ids of the classes after it.
 
     Returns:
         `datasets.Dataset`: ``image_column`` (a ``datasets.Image(decode=False)`` column of paths) and
@@ -240,7 +244,8 @@ def read_image_folder(
 
     Raises:
         ConfigError: ``root`` is not a directory, has no class sub-folders, a sub-folder is not in
-            ``label_names``, or there is no image at all (an empty split).
+            ``label_names``, a class sub-folder holds no image file (unless ``allow_empty_classes``; names the
+            folder), or there is no image at all (an empty split).
     """
     path = Path(root).expanduser()
     if not path.is_dir():
@@ -271,6 +276,15 @@ def read_image_folder(
             f"{name}: image folder '{path}' has no image files in its class sub-folders ({', '.join(classes[:5])}); "
             "an empty split"
         )
+    present = set(labels)
+    empty = [label for label in classes if names.index(label) not in present]
+    if empty and not allow_empty_classes:
+        raise ConfigError(
+            f"{name}: class folder '{path / empty[0]}' has no image files"
+            + (f" (nor do {', '.join(repr(e) for e in empty[1:6])})" if len(empty) > 1 else "")
+            + "; expected at least one image in each class sub-folder: add images, remove the folder, or set "
+            "allow_empty_classes=True to keep it as a class with no samples"
+        )
     features = datasets.Features(
         {image_column: datasets.Image(decode=False), label_column: datasets.ClassLabel(names=names)}
     )
@@ -283,6 +297,7 @@ def image_table(
     label_column: str = "label",
     label_names: Sequence[str] | None = None,
     name: str = "data",
+    allow_empty_classes: bool = False,
 ) -> datasets.Dataset:
     """Return ``source`` as a `datasets.Dataset` with an image column and a label column.
 
@@ -300,10 +315,12 @@ def image_table(
         label_column (`str`): the label column's name (created for a folder or arrays).
         label_names (`Sequence[str]`, *optional*): for an image folder, the classes in id order.
         name (`str`, defaults to ``"data"``): what to call it in error messages.
+        allow_empty_classes (`bool`, defaults to False): for an image folder, keep a class sub-folder without
+            images as a class with no samples instead of refusing it (`read_image_folder`).
 
     Raises:
-        ConfigError: a path that does not exist, a directory holding a DatasetDict, arrays of unequal length or
-            an unsupported kind of source.
+        ConfigError: a path that does not exist, a directory holding a DatasetDict, an image folder that
+            `read_image_folder` refuses, arrays of unequal length or an unsupported kind of source.
     """
     if isinstance(source, datasets.Dataset):
         return source
@@ -323,7 +340,7 @@ def image_table(
                     f"{name} path '{path}' holds a DatasetDict (splits {', '.join(loaded)}); give one split's directory"
                 )
             return loaded
-        return read_image_folder(path, image_column, label_column, label_names, name)
+        return read_image_folder(path, image_column, label_column, label_names, name, allow_empty_classes)
     if isinstance(source, Mapping):
         missing = [c for c in (image_column, label_column) if c not in source]
         if missing:
@@ -766,6 +783,8 @@ class ImageClassificationData(DataModule):
             non-negative integers.
         label_names (`list[str]`, *optional*): the class names in id order; defaults to the sorted class
             sub-folders, the `ClassLabel` names, the sorted distinct strings, or ``"0"`` .. ``"<max>"``.
+        allow_empty_classes (`bool`, defaults to False): keep a class sub-folder without image files as a class
+            with no samples in that split; by default it is an error naming the folder and the split.
         mode (`str`, defaults to ``"RGB"``): ``"RGB"`` or ``"L"`` (grey, one channel).
         image_processor (*optional*): a transformers image processor that resizes and normalises: a local
             directory with ``preprocessor_config.json``, a Hub id in the local cache, or that file's contents as a
@@ -816,6 +835,7 @@ class ImageClassificationData(DataModule):
         image_column: str = "image",
         label_column: str = "label",
         label_names: list[str] | None = None,
+        allow_empty_classes: bool = False,
         mode: str = "RGB",
         # dict first: jsonargparse tries the types in order, and a str would swallow a YAML mapping
         image_processor: dict[str, Any] | str | os.PathLike[str] | None = None,
@@ -862,6 +882,8 @@ class ImageClassificationData(DataModule):
             raise ConfigError(f"{cls}: num_workers={num_workers!r}; expected an integer >= 0")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"{cls}: seed={seed!r}; expected an integer")
+        if not isinstance(allow_empty_classes, bool):
+            raise ConfigError(f"{cls}: allow_empty_classes={allow_empty_classes!r}; expected True or False")
         try:
             # Validated now (a bad size fails at construction); the processor itself is loaded on first use.
             self._plain = ImageTransform(mode, size, mean, std, resample)
@@ -875,6 +897,7 @@ class ImageClassificationData(DataModule):
             )
         self.train, self.validation = train, validation
         self.image_column, self.label_column, self.label_names_setting = image_column, label_column, label_names
+        self.allow_empty_classes = allow_empty_classes
         self.mode = mode
         self.image_processor_spec, self.processor_backend = image_processor, processor_backend
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
@@ -889,6 +912,7 @@ class ImageClassificationData(DataModule):
         self._transform: ImageTransform | None = None
         self._tables: dict[str, datasets.Dataset] = {}
         self._key: str | None = None
+        self._settings: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -924,7 +948,9 @@ class ImageClassificationData(DataModule):
             if split != "train" and names is None and isinstance(source, str | os.PathLike):
                 names = self._folder_classes()  # a validation folder may lack a class: keep the training ids
             where = f"{type(self).__name__} {split} data"
-            self._tables[split] = image_table(source, self.image_column, self.label_column, names, where)
+            self._tables[split] = image_table(
+                source, self.image_column, self.label_column, names, where, self.allow_empty_classes
+            )
         return self._tables[split]
 
     def _folder_classes(self) -> list[str] | None:
@@ -935,10 +961,16 @@ class ImageClassificationData(DataModule):
     def cache_settings(self) -> dict[str, Any]:
         """Return everything that determines the processed splits; its `cache_key` names the cache entry.
 
-        Raw data enters as its fingerprint (the bytes of a folder's files, a table's contents plus any image files
-        it only names, or the arrays); the transform as its settings (or the processor's class and full config);
-        library versions are included because decoding and resizing can change between them. ``max_*_samples``,
-        batch sizes, shuffling and augmentation are left out: they act after the cache.
+        Raw data enters as its fingerprint (for a folder: every file's path and bytes and every sub-folder, an empty
+        one included; a table's contents plus any image files it only names; or the arrays); the class names in id
+        order that the labels are encoded with (``classes``, `resolve_label_names`: the label mapping); the
+        transform as its settings (or the processor's class and full config); library versions are included
+        because decoding and resizing can change between them. ``max_*_samples``, batch sizes, shuffling and
+        augmentation are left out: they act after the cache; so is ``allow_empty_classes``, which only decides
+        whether an empty class folder is an error (the folder itself is in the fingerprint and in ``classes``).
+
+        Raises:
+            ConfigError: a source that cannot be read (`image_table`), or labels that cannot be encoded.
         """
         sources = self.sources()
         return {
@@ -948,6 +980,7 @@ class ImageClassificationData(DataModule):
             "image_column": self.image_column,
             "label_column": self.label_column,
             "label_names": self.label_names_setting,
+            "classes": self._classes(),
             "transform": self.transform.settings(),
             "versions": {
                 "datasets": datasets.__version__,
@@ -956,6 +989,14 @@ class ImageClassificationData(DataModule):
                 "transformers": transformers.__version__,
             },
         }
+
+    def _classes(self) -> list[str]:
+        names = self.label_names_setting
+        for split in self.sources():  # as `_build` encodes them: "train" fixes the names, the others follow
+            names = resolve_label_names(
+                self.table(split), self.label_column, names, f"{type(self).__name__} {split} data"
+            )
+        return list(names or [])
 
     def _fingerprint(self, split: str) -> str:
         table, source = self.table(split), self.sources()[split]  # reading the table checks the source first
@@ -967,14 +1008,16 @@ class ImageClassificationData(DataModule):
         """Preprocess the splits and save them to the cache, or find them already there."""
         settings = self.cache_settings()
         self._key = key = cache_key(**settings)
+        self._settings = settings
         self.cache_path = self.cache.path(key)
         if key in self.cache:
+            self.cache.check(key, settings)  # an entry under this key built from other settings is refused
             self.cache_hit = True
             logger.info("%s: loading the processed splits from %s", type(self).__name__, self.cache_path)
             return
         self.cache_hit = False
         logger.info("%s: preprocessing; the result goes to %s", type(self).__name__, self.cache_path)
-        self.cache.save(key, self._build(), info={"settings": settings})
+        self.cache.save(key, self._build(), settings=settings)
 
     def _build(self) -> datasets.DatasetDict:
         names = self.label_names_setting
@@ -995,7 +1038,7 @@ class ImageClassificationData(DataModule):
         if self._key is None or self._key not in self.cache:
             self.prepare_data()
         assert self._key is not None
-        splits = self.cache.load(self._key)
+        splits = self.cache.load(self._key, self._settings)
         self.cache_path = self.cache.path(self._key)
         self._tables.clear()  # the raw tables are not needed any more
         self.label_names = list(splits["train"].features["labels"].names)

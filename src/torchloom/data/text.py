@@ -29,6 +29,7 @@ from typing import Any, TypeAlias
 import datasets
 import huggingface_hub
 import pandas as pd
+import pyarrow
 import tokenizers
 import torch
 import transformers
@@ -44,6 +45,7 @@ __all__ = [
     "encode_labels",
     "load_tokenizer",
     "read_table",
+    "resolve_label_names",
     "tokenize",
     "tokenizer_fingerprint",
 ]
@@ -200,6 +202,64 @@ def read_table(source: TextSource, name: str = "data") -> datasets.Dataset:
         ) from None
 
 
+def resolve_label_names(
+    dataset: datasets.Dataset,
+    column: str,
+    names: Sequence[str] | None = None,
+    name: str = "data",
+) -> list[str]:
+    """Return the class names, in id order, that `encode_labels` gives ``column``, without encoding anything.
+
+    This is the label mapping of the processed data (class ``i`` is ``names[i]``), so a data module puts it in
+    its cache key.
+
+    Args:
+        dataset (`datasets.Dataset`): the table.
+        column (`str`): the label column: strings, non-negative integers (kept as class ids), or a
+            `datasets.ClassLabel`.
+        names (`Sequence[str]`, *optional*): the class names in id order. ``None``: the sorted distinct strings of
+            the column, or ``"0" ... "<max>"`` for integers, or the column's own `ClassLabel` names.
+        name (`str`, defaults to ``"data"``): what to call the table in error messages.
+
+    Returns:
+        `list[str]`: the class names, in id order.
+
+    Raises:
+        ConfigError: ``column`` is missing or has missing values, a value is not one of ``names``, an integer label
+            is negative or out of range, or the values are of another type.
+    """
+    _require_column(dataset, column, "label_column", name)
+    feature = dataset.features[column]
+    values = dataset.unique(column)
+    if any(v is None for v in values):
+        raise ConfigError(f"{name}: label_column {column!r} has missing values; every row needs a label")
+    if isinstance(feature, datasets.ClassLabel):
+        target = list(names) if names is not None else list(feature.names)
+        if sorted(target) != sorted(feature.names):
+            raise ConfigError(f"{name}: label_names {target} do not match the classes of {column!r} ({feature.names})")
+    elif all(isinstance(v, str) for v in values):
+        target = list(names) if names is not None else sorted(values)
+        unknown = sorted(set(values) - set(target))
+        if unknown:
+            raise ConfigError(
+                f"{name}: label_column {column!r} has values {unknown[:5]} that are not in label_names {target}"
+            )
+    elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        target = list(names) if names is not None else [str(i) for i in range(max(values) + 1)]
+        bad = sorted(v for v in values if not 0 <= v < len(target))
+        if bad:
+            raise ConfigError(
+                f"{name}: label_column {column!r} has integer labels {bad[:5]} outside 0..{len(target) - 1} "
+                f"(label_names {target})"
+            )
+    else:
+        raise ConfigError(
+            f"{name}: label_column {column!r} has values of type {feature}; expected strings, non-negative "
+            "integers or a ClassLabel"
+        )
+    return target
+
+
 def encode_labels(
     dataset: datasets.Dataset,
     column: str,
@@ -213,7 +273,8 @@ def encode_labels(
         column (`str`): the label column: strings, non-negative integers (kept as class ids), or a
             `datasets.ClassLabel`.
         names (`Sequence[str]`, *optional*): the class names in id order. ``None``: the sorted distinct strings of
-            the column, or ``"0" ... "<max>"`` for integers, or the column's own `ClassLabel` names.
+            the column, or ``"0" ... "<max>"`` for integers, or the column's own `ClassLabel` names
+            (`resolve_label_names`).
         name (`str`, defaults to ``"data"``): what to call the table in error messages.
 
     Returns:
@@ -223,39 +284,13 @@ def encode_labels(
         ConfigError: ``column`` is missing or has missing values, a value is not one of ``names``, or an
             integer label is negative or out of range.
     """
-    _require_column(dataset, column, "label_column", name)
+    target = resolve_label_names(dataset, column, names, name)
     feature = dataset.features[column]
-    values = dataset.unique(column)
-    if any(v is None for v in values):
-        raise ConfigError(f"{name}: label_column {column!r} has missing values; every row needs a label")
     if isinstance(feature, datasets.ClassLabel):
-        target = list(names) if names is not None else list(feature.names)
-        if sorted(target) != sorted(feature.names):
-            raise ConfigError(f"{name}: label_names {target} do not match the classes of {column!r} ({feature.names})")
         if target != list(feature.names):
             dataset = dataset.align_labels_with_mapping({n: i for i, n in enumerate(target)}, column)
-    elif all(isinstance(v, str) for v in values):
-        target = list(names) if names is not None else sorted(values)
-        unknown = sorted(set(values) - set(target))
-        if unknown:
-            raise ConfigError(
-                f"{name}: label_column {column!r} has values {unknown[:5]} that are not in label_names {target}"
-            )
-        dataset = dataset.cast_column(column, datasets.ClassLabel(names=target))
-    elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        target = list(names) if names is not None else [str(i) for i in range(max(values) + 1)]
-        bad = sorted(v for v in values if not 0 <= v < len(target))
-        if bad:
-            raise ConfigError(
-                f"{name}: label_column {column!r} has integer labels {bad[:5]} outside 0..{len(target) - 1} "
-                f"(label_names {target})"
-            )
-        dataset = dataset.cast_column(column, datasets.ClassLabel(names=target))
     else:
-        raise ConfigError(
-            f"{name}: label_column {column!r} has values of type {feature}; expected strings, non-negative "
-            "integers or a ClassLabel"
-        )
+        dataset = dataset.cast_column(column, datasets.ClassLabel(names=target))
     if column != "labels":
         if "labels" in dataset.column_names:
             dataset = dataset.remove_columns("labels")
@@ -454,6 +489,7 @@ class TextClassificationData(DataModule):
         self.val_dataset: datasets.Dataset | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._key: str | None = None
+        self._settings: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -480,9 +516,15 @@ class TextClassificationData(DataModule):
     def cache_settings(self) -> dict[str, Any]:
         """Return everything that determines the processed splits; its `cache_key` names the cache entry.
 
-        Raw tables enter as their `fingerprint` (file bytes or table contents); the tokenizer as its
-        `tokenizer_fingerprint`; library versions are included because tokenisation can change between them.
-        ``max_*_samples``, batch sizes and shuffling are left out: they act after the cache.
+        Raw tables enter as their `fingerprint` (file bytes, or table contents with every value's type) and their
+        suffix (the reader); the label mapping (`resolve_label_names`) follows from them and from ``label_column``
+        and ``label_names``, so the tables need not be read to make the key; the tokenizer enters as its
+        `tokenizer_fingerprint` (its files and class); library versions are included because parsing and
+        tokenisation can change between them. ``max_*_samples``, batch sizes, shuffling and padding are left out:
+        they act after the cache.
+
+        Raises:
+            ConfigError: a data path that does not exist or cannot be read, or a tokenizer that cannot be loaded.
         """
         return {
             "kind": "torchloom.data.text.TextClassificationData",
@@ -497,8 +539,10 @@ class TextClassificationData(DataModule):
             "label_column": self.label_column,
             "label_names": self.label_names_setting,
             "max_length": self.max_length,
-            "versions": {
+            "versions": {  # pandas and pyarrow parse the tables, so they decide the label column's type too
                 "datasets": datasets.__version__,
+                "pandas": pd.__version__,
+                "pyarrow": pyarrow.__version__,
                 "tokenizers": tokenizers.__version__,
                 "transformers": transformers.__version__,
             },
@@ -513,14 +557,16 @@ class TextClassificationData(DataModule):
         """Tokenise the splits and save them to the cache, or find them already there."""
         settings = self.cache_settings()
         self._key = key = cache_key(**settings)
+        self._settings = settings
         self.cache_path = self.cache.path(key)
         if key in self.cache:
+            self.cache.check(key, settings)  # an entry under this key built from other settings is refused
             self.cache_hit = True
             logger.info("%s: loading the processed splits from %s", type(self).__name__, self.cache_path)
             return
         self.cache_hit = False
         logger.info("%s: tokenising; the result goes to %s", type(self).__name__, self.cache_path)
-        self.cache.save(key, self._build(), info={"settings": settings})
+        self.cache.save(key, self._build(), settings=settings)
 
     def _build(self) -> datasets.DatasetDict:
         names = self.label_names_setting
@@ -539,7 +585,7 @@ class TextClassificationData(DataModule):
         if self._key is None or self._key not in self.cache:
             self.prepare_data()
         assert self._key is not None
-        splits = self.cache.load(self._key)
+        splits = self.cache.load(self._key, self._settings)
         self.cache_path = self.cache.path(self._key)
         self.label_names = list(splits["train"].features["labels"].names)
         self.train_dataset = self._subset(splits["train"], self.max_train_samples)
