@@ -144,9 +144,7 @@ def fetch_fine_foods(
                 review=frame["review"].astype(str).str.replace("<br />", " ", regex=False).str.strip(),
                 score=frame["score"].astype(str),
             ).reset_index(drop=True)
-            tmp = paths[split].with_suffix(f".tmp-{os.getpid()}")
-            frame.to_parquet(tmp, index=False)
-            os.replace(tmp, paths[split])
+            torchloom.write_atomically(paths[split], lambda path, frame=frame: frame.to_parquet(path, index=False))
     return paths
 
 

@@ -274,3 +274,25 @@ def test_a_killed_model_save_leaves_only_what_the_next_run_removes(tmp_path) -> 
     torchloom.Engine(output_dir=str(tmp_path / "run"), max_epochs=1).fit(ShuffleTask())
     assert not staging.exists()  # the next run in the same output_dir removed it
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
+# ------------------------------------------------------------------------------------------ data cache
+
+
+def test_the_data_cache_writes_under_the_same_convention_and_sweeps_it(tmp_path) -> None:
+    import datasets
+
+    from torchloom.data.cache import DatasetCache
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cache = DatasetCache(tmp_path)
+    table = datasets.Dataset.from_dict({"x": list(range(20_000))})
+    left = tmp_path / f".k1.tmp-{int(dead.stdout)}-0a1b2c3d"  # what a killed save left
+    left.mkdir(parents=True)
+    with file_size_limit(10_000), pytest.raises(torchloom.RunFileError) as info:
+        cache.save("k1", table)
+    assert str(info.value).startswith(f"cannot write processed-dataset cache entry '{tmp_path / 'k1'}': ")
+    assert "File too large" in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # the leftover swept, the failed entry's directory removed
+    cache.save("k1", table)
+    assert [p.name for p in tmp_path.iterdir()] == ["k1"] and len(cache.load("k1")) == 20_000

@@ -31,14 +31,14 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import datasets
 
-from torchloom.errors import ConfigError
+from torchloom._atomic import remove_orphans, temporary_path, write_failure
+from torchloom.errors import ConfigError, RunFileError
 
 __all__ = ["DatasetCache", "cache_key", "default_cache_dir", "fingerprint"]
 
@@ -294,9 +294,10 @@ class DatasetCache:
     ) -> Path:
         """Save ``dataset`` as the entry ``key``, atomically, and return the entry's directory.
 
-        The dataset is written with ``save_to_disk`` into a temporary directory under ``root`` and renamed into
-        place. If another process completed the same entry first, its entry is kept and this copy discarded
-        (the same key means the same content).
+        The dataset is written with ``save_to_disk`` into a temporary directory under ``root``
+        (``.<key>.tmp-<pid>-<hex>``, see `torchloom.write_atomically`) and renamed into place; what a save killed
+        half-way left in ``root`` is removed first. If another process completed the same entry first, its entry
+        is kept and this copy discarded (the same key means the same content).
 
         Args:
             key (`str`): from `cache_key`.
@@ -307,11 +308,14 @@ class DatasetCache:
 
         Raises:
             ConfigError: ``root`` cannot be created or written (names it).
+            RunFileError: the entry cannot be written (a full disk; names it and the reason); nothing is left.
         """
         final = self.path(key)
+        tmp = temporary_path(final, unique=True)  # several processes may build the same entry at once
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root))
+            remove_orphans(self.root)  # what saves killed half-way left here
+            tmp.mkdir()
         except OSError as exc:
             raise ConfigError(f"cache directory '{self.root}' cannot be written: {exc.strerror or exc}") from None
         try:
@@ -325,6 +329,11 @@ class DatasetCache:
             except OSError:
                 if key not in self:  # not a lost race: a broken leftover or a real I/O error
                     raise
+        except Exception as exc:
+            reason = write_failure(exc, tmp)
+            if reason is None:
+                raise
+            raise RunFileError(f"cannot write processed-dataset cache entry '{final}': {reason}") from exc
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
