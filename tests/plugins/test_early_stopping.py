@@ -192,7 +192,7 @@ def test_the_stopping_threshold_value_is_recorded_as_the_best(tmp_path):
 
 def test_the_monitor_never_logged_warns_once_and_never_stops(tmp_path):
     stopper = EarlyStopping(monitor="val/los", patience=1)
-    with pytest.warns(UserWarning, match=r"early_stopping: 'val/los' was never logged") as record:
+    with pytest.warns(UserWarning, match=r"early_stopping: monitor 'val/los' was never logged") as record:
         engine = fit(stopper, [1.0] * 13, tmp_path)
     ours = [w for w in record if "early_stopping" in str(w.message)]
     assert len(ours) == 1
