@@ -187,9 +187,10 @@ def check_optimizer_parameters(
             "configure_optimizers"
         )
     warnings.warn(
-        f"{source}: {len(foreign)} of the optimizer's {len(params)} parameters are not parameters of the model: "
-        f"{listing}. They are stepped, but not saved with the model, and on several processes their gradients are "
-        "not averaged. Put them in the module configure_model returns (as submodules or nn.Parameter attributes)",
+        f"{source}: {len(foreign)} of the optimizer's {len(params)} parameters "
+        f"{'is not a parameter' if len(foreign) == 1 else 'are not parameters'} of the model: {listing}. They are "
+        "stepped, but not saved with the model, and on several processes their gradients are not averaged. Put them "
+        "in the module configure_model returns (as submodules or nn.Parameter attributes)",
         UserWarning,
         stacklevel=3,
     )
@@ -329,9 +330,9 @@ def zero_items_error(value: float, first_step: int, last_step: int, epoch: int) 
     """The error for a training loss that is a mean over no items: every micro-batch of the optimizer steps
     ``first_step..last_step`` (1-based), on every process, returned ``num_items`` 0."""
     return TaskError(
-        f"the training loss is {value} in {optimizer_steps(first_step, last_step)} (epoch {epoch}) because every "
-        "micro-batch of them returned num_items=0, on every process: a mean over no items (no labelled tokens), not "
-        "a divergence; stopping, and the model is not saved. Check the labels and the loss mask (every label -100, "
+        f"every micro-batch of {optimizer_steps(first_step, last_step)} (epoch {epoch}) returned num_items=0, on "
+        f"every process, so the training loss is {value}: a mean over no items (no labelled tokens), not a "
+        "divergence; stopping, and the model is not saved. Check the labels and the loss mask (every label -100, "
         "or truncation that cut off every completion?), and return num_items = the number of items the loss is a "
         "mean over"
     )
