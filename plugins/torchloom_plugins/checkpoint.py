@@ -11,8 +11,10 @@ Method card
   ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues.
 - **Hooks:** ``on_fit_start`` installs the signal handlers (main thread) and, with several processes, a gloo group
   for the interrupt flag; ``on_log`` records the monitored value; ``on_train_step_end`` saves on the step schedule
-  and acts on an interrupt; ``on_train_epoch_end`` saves on the epoch schedule; ``teardown`` puts the previous
-  signal handlers back.
+  and acts on an interrupt; ``on_train_epoch_end`` saves on the epoch schedule; ``on_train_end`` marks the fit
+  completed and ``on_fit_end`` warns (main process) when ``monitor`` was never logged or no save came at a step
+  where it was logged (`torchloom.Monitor`, which also warns when the plugin is made if ``mode`` reads wrong for
+  the name); ``teardown`` puts the previous signal handlers back.
 - **Processes:** every process calls `torchloom.save_checkpoint` at the same step (a schedule of steps and epochs is
   the same everywhere). A signal reaches the processes at different moments, so the flag is combined with a
   max all-reduce on a CPU (gloo) group, started without waiting at each optimizer step and read at the next one:

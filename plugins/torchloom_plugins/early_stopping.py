@@ -18,7 +18,10 @@ Method card
 - **Hooks:** ``on_fit_start`` starts the fit's bookkeeping (and resets ``best`` / ``wait`` unless a state was
   loaded before it: a resume); ``on_log`` checks; ``on_train_end`` marks the end of training (the values of the
   final validation after it are still tracked, but no stop is requested any more: nothing is left to stop);
-  ``on_fit_end`` warns once, on the main process, when the fit completed without ever logging ``monitor``.
+  ``on_fit_end`` warns once, on the main process, when the fit completed without ever logging ``monitor``, or
+  checked it too few times while training for ``patience`` ever to stop it. The monitored value, its best so far
+  and these checks are a `torchloom.Monitor` (which warns when the plugin is made if ``mode`` reads wrong for the
+  name), the helper ``checkpoint`` uses too.
   ``on_log`` outside a fit (``Engine.validate``) changes nothing.
 - **State:** ``state_dict`` / ``load_state_dict`` carry ``best``, ``best_step``, ``wait`` and ``stopped_step``
   (plain numbers, saved as JSON by ``torchloom.save_plugin_state``), so a resumed run keeps counting its patience.

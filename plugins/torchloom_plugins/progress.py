@@ -26,7 +26,7 @@ Method card
   ``on_predict_end`` (a batch counter, terminal only) and ``teardown`` (the ``validate`` summary; stops a bar
   that is still running).
 - **Best values:** the smallest value for names that read as an error (a part ``loss``, ``error``,
-  ``perplexity``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer``), the largest for any other name, none for names
+  ``perplexity``, ``ppl``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer``), the largest for any other name, none for names
   that describe the run's state rather than a result (``lr``, ``learning_rate``, a gradient or weight ``norm``,
   a loss ``scale``, ``skipped`` steps): see `metric_direction`. The best so far is `torchloom.Monitor`'s rule,
   the one of ``early_stopping`` and ``checkpoint`` (strictly better; NaN is never the best).
