@@ -286,6 +286,37 @@ def test_a_negative_num_items_is_an_error(tmp_path, plugins):
         tiny_fit(plugins, task=Items(lambda i: torch.tensor(-4 if i == 1 else 4)), output_dir=str(tmp_path))
 
 
+@pytest.mark.parametrize("plugins", [None, {"grad_accum": {"steps": 2, "normalization": "items"}}])
+@pytest.mark.parametrize("zero", [0, torch.tensor(0)], ids=["int", "tensor"])
+def test_num_items_0_in_every_micro_batch_is_reported_as_a_loss_over_no_items(tmp_path, plugins, zero):
+    """Every micro-batch with no labelled item: the logged loss is 0 / 0 = NaN, which is not a divergence and gets
+    its own message, not the advice to lower the learning rate (read at the logging step, as the loss is)."""
+    with pytest.raises(torchloom.TaskError) as caught:
+        tiny_fit(plugins, task=Items(lambda i: zero, validate=False), output_dir=str(tmp_path), log_every_n_steps=2)
+    assert str(caught.value) == (
+        "every micro-batch of optimizer steps 1-2 (epoch 0) returned num_items=0, on every process, so the training "
+        "loss is nan: a mean over no items (no labelled tokens), not a divergence; stopping, and the model is not "
+        "saved. Check the labels and the loss mask (every label -100, or truncation that cut off every "
+        "completion?), and return num_items = the number of items the loss is a mean over"
+    )
+
+
+def test_num_items_0_in_some_micro_batches_and_a_real_divergence_keep_their_own_outcomes(tmp_path):
+    """Zero items in every other micro-batch, logged every 2 steps: a finite weighted loss, no error. A NaN loss with
+    items: the divergence message."""
+    task = Items(lambda i: torch.tensor(0 if i % 2 else 4), validate=False)
+    engine = tiny_fit(task=task, output_dir=str(tmp_path), log_every_n_steps=2)
+    assert all(math.isfinite(r["train/loss"]) for r in engine.history if "train/loss" in r)
+
+    class Diverges(Items):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            return {**out, "loss": out["loss"] * math.nan}
+
+    with pytest.raises(torchloom.TaskError, match=r"the training loss became nan in optimizer step 1 .* Lower the"):
+        tiny_fit(task=Diverges(lambda i: torch.tensor(4), validate=False), output_dir=str(tmp_path))
+
+
 def test_a_training_dataloader_that_yields_nothing_is_an_error(tmp_path):
     class Nothing(torch.utils.data.Sampler):  # no length: only iterating shows that it is empty
         def __iter__(self):
@@ -416,13 +447,57 @@ def test_the_sanity_pass_changes_nothing(tmp_path):
     assert plain_engine.history == checked_engine.history  # nothing the sanity pass logged is reported
 
 
-def test_an_optimizer_over_another_models_parameters_warns(tmp_path):
+def test_an_optimizer_over_another_modules_parameters_is_an_error_naming_them(tmp_path):
+    """An optimizer over a module the task keeps beside the model (or a fresh instance) never changes the model: an
+    error at set-up, also in a second fit in the same process (a warning would be shown once per process), naming
+    the parameters as the task holds them, or by shape."""
+
     class Stray(TinyTask):
+        def configure_model(self):
+            self.head = torch.nn.Linear(4, 1)  # built beside the model; the optimizer takes it by mistake
+            return torch.nn.Linear(4, 1)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+    for _ in range(2):
+        with pytest.raises(torchloom.TaskError) as caught:
+            tiny_fit(task=Stray(), output_dir=str(tmp_path))
+        assert str(caught.value) == (
+            "Stray.configure_optimizers(): the optimizer holds none of the model's parameters: its 2 parameters "
+            "(self.head.weight [1, 4], self.head.bias [1]) are not parameters of the Linear that configure_model "
+            "returned (2 parameters), so the model would never change. Build the optimizer from "
+            "self.model.parameters() in configure_optimizers"
+        )
+    assert not list(tmp_path.rglob("metrics.jsonl"))  # refused before the first step
+
+    class Fresh(TinyTask):
         def configure_optimizers(self):
             return torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1)
 
-    with pytest.warns(UserWarning, match="2 of the optimizer's 2 parameters are not parameters of the model"):
-        tiny_fit(task=Stray(), output_dir=str(tmp_path))
+    with pytest.raises(torchloom.TaskError, match=r"its 2 parameters \(a tensor of shape \[1, 4\], a tensor of shape "):
+        tiny_fit(task=Fresh(), output_dir=str(tmp_path))
+
+
+def test_an_optimizer_over_the_model_and_more_warns_naming_the_others(tmp_path):
+    """A learnable temperature on the task beside the model's parameters trains, but is not saved with the model and
+    not averaged by DDP: a warning naming it. The usual optimizer: nothing."""
+
+    class Temperature(TinyTask):
+        def configure_optimizers(self):
+            self.temperature = torch.nn.Parameter(torch.ones(()))
+            return torch.optim.SGD([*self.model.parameters(), self.temperature], lr=0.1)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        tiny_fit(task=Temperature(), output_dir=str(tmp_path))
+    said = [str(w.message) for w in record if "optimizer" in str(w.message)]
+    assert said == [
+        "Temperature.configure_optimizers(): 1 of the optimizer's 3 parameters is not a parameter of the model: "
+        "self.temperature []. They are stepped, but not saved with the model, and on several processes their "
+        "gradients are not averaged. Put them in the module configure_model returns (as submodules or nn.Parameter "
+        "attributes)"
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         tiny_fit(output_dir=str(tmp_path))  # the usual optimizer: no warning

@@ -11,8 +11,10 @@ Method card
   ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues.
 - **Hooks:** ``on_fit_start`` installs the signal handlers (main thread) and, with several processes, a gloo group
   for the interrupt flag; ``on_log`` records the monitored value; ``on_train_step_end`` saves on the step schedule
-  and acts on an interrupt; ``on_train_epoch_end`` saves on the epoch schedule; ``teardown`` puts the previous
-  signal handlers back.
+  and acts on an interrupt; ``on_train_epoch_end`` saves on the epoch schedule; ``on_train_end`` marks the fit
+  completed and ``on_fit_end`` warns (main process) when ``monitor`` was never logged or no save came at a step
+  where it was logged (`torchloom.Monitor`, which also warns when the plugin is made if ``mode`` reads wrong for
+  the name); ``teardown`` puts the previous signal handlers back.
 - **Processes:** every process calls `torchloom.save_checkpoint` at the same step (a schedule of steps and epochs is
   the same everywhere). A signal reaches the processes at different moments, so the flag is combined with a
   max all-reduce on a CPU (gloo) group, started without waiting at each optimizer step and read at the next one:
@@ -31,6 +33,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +122,10 @@ class Checkpoint(torchloom.Plugin):
         self.saved: list[str] = []
         self.scores: dict[str, float] = {}
         self._value: float | None = None  # the latest monitored value
+        # the monitored name: logged or not, fresh at the saves or not (warns here if the mode reads wrong)
+        monitor, mode = self.config.monitor, self.config.mode
+        self._monitor = None if monitor is None else torchloom.Monitor(self.name, monitor, mode)
+        self._completed = False  # on_train_end fired in this fit
         self._signal: int | None = None  # the first signal received in this fit
         self._previous_handlers: dict[int, Any] = {}
         self._group: Any = None  # a gloo group for the interrupt flag (several processes)
@@ -131,6 +138,9 @@ class Checkpoint(torchloom.Plugin):
     @torchloom.hookimpl
     def on_fit_start(self, accelerator) -> None:
         self.saved, self.scores, self._value, self._signal, self._pending = [], {}, None, None, None
+        self._completed = False
+        if self._monitor is not None:
+            self._monitor.start()
         if not self.config.save_on_interrupt:
             return
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread
@@ -146,16 +156,18 @@ class Checkpoint(torchloom.Plugin):
         self._signal = number
 
     @torchloom.hookimpl
-    def on_log(self, metrics: dict[str, float]) -> None:
-        if self.config.monitor is not None and self.config.monitor in metrics:
-            self._value = metrics[self.config.monitor]
+    def on_log(self, metrics: dict[str, float], progress) -> None:
+        if self._monitor is not None:
+            value = self._monitor.observe(metrics, progress.global_step)
+            if value is not None:
+                self._value = value
 
     @torchloom.hookimpl
     def on_train_step_end(self, accelerator, progress) -> None:
         interrupted = self._interrupt(accelerator)
         steps = self.config.every_n_steps
         if interrupted is not None or (steps is not None and progress.global_step % steps == 0):
-            path = self._save(accelerator)
+            path = self._save(accelerator, progress.global_step)
             if interrupted is not None:
                 raise torchloom.TrainingInterrupted(interrupted, path, progress.global_step)
 
@@ -163,7 +175,31 @@ class Checkpoint(torchloom.Plugin):
     def on_train_epoch_end(self, accelerator, progress) -> None:
         epochs = self.config.every_n_epochs
         if epochs is not None and (progress.epoch + 1) % epochs == 0:
-            self._save(accelerator)
+            self._save(accelerator, progress.global_step)
+
+    @torchloom.hookimpl
+    def on_train_end(self) -> None:
+        self._completed = True
+
+    @torchloom.hookimpl
+    def on_fit_end(self, accelerator) -> None:
+        monitor, completed, self._completed = self._monitor, self._completed, False
+        if monitor is None or not completed or not accelerator.is_main_process:
+            return
+        if monitor.warn_if_never_logged("no checkpoint was ranked by it and none was kept as the best"):
+            return
+        saves = [step for step, _ in monitor.uses]
+        if saves and not any(fresh for _, fresh in monitor.uses):
+            warnings.warn(
+                f"checkpoint: monitor {monitor.name!r} was logged at {monitor.describe_steps(monitor.steps)}, but "
+                f"none of the {len(saves)} checkpoints of this fit (at {monitor.describe_steps(saves)}) was saved at "
+                "a step where it was logged: each one's score is a value of earlier weights, or none, and keep_best "
+                f"ranks them by it. Save where {monitor.name!r} is logged: every_n_steps a multiple of "
+                "val_check_interval (or of log_every_n_steps for a training value), or every_n_epochs with "
+                "validation at the end of each epoch",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @torchloom.hookimpl
     def teardown(self) -> None:
@@ -191,8 +227,10 @@ class Checkpoint(torchloom.Plugin):
         self._pending = (work, flag)
         return agreed
 
-    def _save(self, accelerator) -> str:
+    def _save(self, accelerator, step: int) -> str:
         path = torchloom.save_checkpoint()
+        if self._monitor is not None:
+            self._monitor.use(step)  # whether this checkpoint's score was logged at its own step
         self.saved.append(path)
         if self._value is not None and not math.isnan(self._value):
             self.scores[path] = self._value

@@ -18,7 +18,10 @@ Method card
 - **Hooks:** ``on_fit_start`` starts the fit's bookkeeping (and resets ``best`` / ``wait`` unless a state was
   loaded before it: a resume); ``on_log`` checks; ``on_train_end`` marks the end of training (the values of the
   final validation after it are still tracked, but no stop is requested any more: nothing is left to stop);
-  ``on_fit_end`` warns once, on the main process, when the fit completed without ever logging ``monitor``.
+  ``on_fit_end`` warns once, on the main process, when the fit completed without ever logging ``monitor``, or
+  checked it too few times while training for ``patience`` ever to stop it. The monitored value, its best so far
+  and these checks are a `torchloom.Monitor` (which warns when the plugin is made if ``mode`` reads wrong for the
+  name), the helper ``checkpoint`` uses too.
   ``on_log`` outside a fit (``Engine.validate``) changes nothing.
 - **State:** ``state_dict`` / ``load_state_dict`` carry ``best``, ``best_step``, ``wait`` and ``stopped_step``
   (plain numbers, saved as JSON by ``torchloom.save_plugin_state``), so a resumed run keeps counting its patience.
@@ -34,7 +37,6 @@ default validation at the end of each epoch.
 
 from __future__ import annotations
 
-import difflib
 import math
 import warnings
 from dataclasses import dataclass
@@ -151,34 +153,55 @@ class EarlyStopping(torchloom.Plugin):
 
     def __init__(self, config: EarlyStoppingConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
-        self.best: float | None = None
-        self.best_step: int | None = None
+        cfg = self.config
+        # the logged value: seen or not, its mode, its best so far (warns here if the mode reads wrong)
+        self._monitor = torchloom.Monitor(self.name, cfg.monitor, cfg.mode, min_delta=cfg.min_delta)
         self.wait = 0
         self.stopped_step: int | None = None
         self._loaded = False  # load_state_dict ran since the last fit started: the next fit resumes from it
         self._in_fit = False  # between on_fit_start and on_fit_end
         self._training = False  # before on_train_end: a stop request still stops something
         self._completed = False  # on_train_end fired in this fit
-        self._logged: set[str] = set()  # the names on_log received in this fit
+        self._needed = cfg.patience + 1  # checks while training that a stop by patience needs in this fit
+
+    @property
+    def best(self) -> float | None:
+        return self._monitor.best
+
+    @best.setter
+    def best(self, value: float | None) -> None:
+        self._monitor.best = value
+
+    @property
+    def best_step(self) -> int | None:
+        return self._monitor.best_step
+
+    @best_step.setter
+    def best_step(self, value: int | None) -> None:
+        self._monitor.best_step = value
 
     # ------------------------------------------------------------------------------------------- hooks
 
     @torchloom.hookimpl
     def on_fit_start(self) -> None:
         if not self._loaded:
-            self.best, self.best_step, self.wait = None, None, 0
+            self.wait = 0
+        self._monitor.start(keep_best=self._loaded)
         self._loaded = False
         self.stopped_step = None
         self._in_fit, self._training, self._completed = True, True, False
-        self._logged = set()
+        # the first check of a fit without a best is the best; then `patience` checks without improvement
+        self._needed = self.config.patience - self.wait + (self.best is None)
 
     @torchloom.hookimpl
     def on_log(self, metrics: dict[str, float], progress) -> None:
         if not self._in_fit:  # Engine.validate: nothing to stop
             return
-        self._logged.update(metrics)
-        if self.config.monitor in metrics:
-            reason = self._check(float(metrics[self.config.monitor]), progress.global_step)
+        value = self._monitor.observe(metrics, progress.global_step)
+        if value is not None:
+            if self._training:
+                self._monitor.use(progress.global_step)
+            reason = self._check(value, progress.global_step)
             if reason is not None and self._training and self.stopped_step is None:
                 self.stopped_step = progress.global_step
                 torchloom.request_stop(reason)
@@ -189,29 +212,34 @@ class EarlyStopping(torchloom.Plugin):
 
     @torchloom.hookimpl
     def on_fit_end(self, accelerator) -> None:
-        monitor, logged = self.config.monitor, sorted(self._logged)
-        if self._completed and monitor not in self._logged and accelerator.is_main_process:
-            close = difflib.get_close_matches(monitor, logged, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            warnings.warn(
-                f"early_stopping: {monitor!r} was never logged during this fit, so it was never checked{hint} "
-                f"Logged names: {', '.join(map(repr, logged)) or 'none'}. Log it (self.log({monitor!r}, ...) in "
-                "validation_step) or set 'monitor' to one of these",
-                UserWarning,
-                stacklevel=2,
-            )
+        if (
+            self._completed
+            and accelerator.is_main_process
+            and not self._monitor.warn_if_never_logged("it was never checked")
+        ):
+            self._warn_if_too_few_checks()
         self._in_fit = self._training = self._completed = False
 
-    # -------------------------------------------------------------------------------------- the check
+    def _warn_if_too_few_checks(self) -> None:
+        """Warn when the fit checked the value too few times while training for patience to ever stop it."""
+        cfg, monitor = self.config, self._monitor
+        checks = [step for step, _ in monitor.uses]
+        if self.stopped_step is not None or len(checks) >= self._needed:
+            return
+        n, logged = len(checks), monitor.describe_steps(monitor.steps)
+        if checks:
+            done = f"{n} time{'s' if n != 1 else ''} while training, at {monitor.describe_steps(checks)}"
+        else:
+            done = f"0 times while training (it was logged only after training, at {logged})"
+        warnings.warn(
+            f"early_stopping: monitor {cfg.monitor!r} was checked {done}; with patience {cfg.patience} a stop needs "
+            f"{self._needed} checks while training, so patience could never stop this fit. Log {cfg.monitor!r} "
+            "more often (engine settings val_check_interval, log_every_n_steps) or lower patience",
+            UserWarning,
+            stacklevel=2,
+        )
 
-    def _improves(self, value: float) -> bool:
-        if math.isnan(value):
-            return False
-        if self.best is None:
-            return True
-        if self.config.mode == "min":
-            return value < self.best - self.config.min_delta
-        return value > self.best + self.config.min_delta
+    # -------------------------------------------------------------------------------------- the check
 
     def _check(self, value: float, step: int) -> str | None:
         """Update ``best`` / ``wait`` with one value of ``monitor``; return why to stop, or ``None``."""
@@ -219,8 +247,8 @@ class EarlyStopping(torchloom.Plugin):
         what = f"early_stopping: {cfg.monitor!r} = {value:.6g} at step {step}"
         if cfg.check_finite and not math.isfinite(value):
             return f"{what} is not finite (check_finite); {self._best_text()}"
-        if self._improves(value):
-            self.best, self.best_step, self.wait = value, step, 0
+        if self._monitor.update(value, step):
+            self.wait = 0
         else:
             self.wait += 1
         better, worse = ("below", "above") if cfg.mode == "min" else ("above", "below")

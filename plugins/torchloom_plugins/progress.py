@@ -26,9 +26,10 @@ Method card
   ``on_predict_end`` (a batch counter, terminal only) and ``teardown`` (the ``validate`` summary; stops a bar
   that is still running).
 - **Best values:** the smallest value for names that read as an error (a part ``loss``, ``error``,
-  ``perplexity``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer``), the largest for any other name, none for names
+  ``perplexity``, ``ppl``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer``), the largest for any other name, none for names
   that describe the run's state rather than a result (``lr``, ``learning_rate``, a gradient or weight ``norm``,
-  a loss ``scale``, ``skipped`` steps): see `metric_direction`.
+  a loss ``scale``, ``skipped`` steps): see `metric_direction`. The best so far is `torchloom.Monitor`'s rule,
+  the one of ``early_stopping`` and ``checkpoint`` (strictly better; NaN is never the best).
 - **Sources:** Lightning's ``RichProgressBar`` and ``TQDMProgressBar`` callbacks; the HF Trainer's
   ``ProgressCallback`` / ``PrinterCallback`` (plain lines when there is no terminal); rich's ``Progress`` and
   ``Live`` documentation.
@@ -40,7 +41,6 @@ import datetime
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -54,12 +54,6 @@ from rich.text import Text
 import torchloom
 
 __all__ = ["ProgressBar", "ProgressConfig", "batch_size", "metric_direction"]
-
-#: Name parts (split at ``/ . _ -`` and spaces) of values whose best is the smallest.
-LOWER_IS_BETTER = frozenset({"loss", "error", "errors", "perplexity", "mse", "mae", "rmse", "wer", "cer"})
-#: Name parts of values that describe the run's state, not a result: they get no best value.
-NO_BEST = frozenset({"lr", "learning", "norm", "scale", "skipped"})
-_PARTS = re.compile(r"[/._\-\s]+")
 
 
 @dataclass
@@ -114,20 +108,16 @@ def _is_number(value: Any) -> bool:
 def metric_direction(name: str) -> str | None:
     """Which value of a logged name is its best: ``"min"``, ``"max"``, or ``None`` (no best: a state, not a result).
 
-    The name is split into parts at ``/``, ``.``, ``_``, ``-`` and spaces, case-insensitively. A part in
-    `NO_BEST` (``lr``, ``learning`` as in ``learning_rate``, ``norm``, ``scale``, ``skipped``) gives ``None``; else a
-    part in `LOWER_IS_BETTER` (``loss``, ``error``, ``perplexity``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer``), or
-    one ending in ``loss`` (``logloss``), gives ``"min"``; any other name gives ``"max"`` (accuracy, F1, BLEU).
+    `torchloom.Monitor.direction` with ``"max"`` for a name that reads as neither: the name is split into parts at
+    ``/``, ``.``, ``_``, ``-`` and spaces, case-insensitively; a part ``lr``, ``learning`` (``learning_rate``),
+    ``norm``, ``scale`` or ``skipped`` gives ``None``; else a part ``loss``, ``error``, ``perplexity``, ``mse``,
+    ``mae``, ``rmse``, ``wer``, ``cer`` ..., or one ending in ``loss`` (``logloss``), gives ``"min"``; any other name
+    gives ``"max"`` (accuracy, F1, BLEU).
 
     Example: ``metric_direction("val/loss") == "min"``, ``metric_direction("val/accuracy") == "max"``,
     ``metric_direction("lr-AdamW") is None``, ``metric_direction("grad_norm") is None``.
     """
-    parts = [p for p in _PARTS.split(name.lower()) if p]
-    if any(p in NO_BEST for p in parts):
-        return None
-    if any(p in LOWER_IS_BETTER or p.endswith("loss") for p in parts):
-        return "min"
-    return "max"
+    return torchloom.Monitor.direction(name, default="max")
 
 
 def batch_size(batch: Any) -> int | None:
@@ -152,10 +142,8 @@ class _Track:
 
     def add(self, value: float, step: int) -> None:
         self.last, self.last_step = value, step
-        if self.direction is None or math.isnan(value):  # NaN is never the best value
-            return
-        if self.best is None or (value < self.best if self.direction == "min" else value > self.best):
-            self.best, self.best_step = value, step
+        if self.direction is not None and torchloom.Monitor.is_better(value, self.best, self.direction):
+            self.best, self.best_step = value, step  # NaN is never the best value
 
 
 class ProgressBar(torchloom.Plugin):

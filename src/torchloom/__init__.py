@@ -24,6 +24,7 @@ _EXPORTS = {
     "EngineConfig": "torchloom.config",
     "Plugin": "torchloom.plugins",
     "PluginError": "torchloom.errors",
+    "Monitor": "torchloom.monitor",
     "PluginInfo": "torchloom.plugins",
     "Progress": "torchloom.progress",
     "RunFileError": "torchloom.errors",
@@ -55,6 +56,7 @@ __all__ = [
     "DataModule",
     "Engine",
     "EngineConfig",
+    "Monitor",
     "Plugin",
     "PluginError",
     "PluginInfo",
@@ -119,6 +121,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom.hookspecs import hookimpl, hookspec
     from torchloom.memory import estimate_optimizer_memory
     from torchloom.module import TaskModule
+    from torchloom.monitor import Monitor
     from torchloom.plugins import Plugin, PluginInfo, build_config, enable_plugins, installed_plugins
     from torchloom.progress import Progress
     from torchloom.state import load_plugin_state, save_plugin_state

@@ -18,6 +18,7 @@ from torchloom.errors import ConfigError, PluginError, TaskError
 
 __all__ = [
     "NEGATIVE_ITEMS",
+    "NUM_ITEMS",
     "TrainingChecks",
     "check_finite_parameters",
     "check_model",
@@ -149,22 +150,70 @@ def split_optimizers(spec: Any, source: str) -> tuple[torch.optim.Optimizer, Any
     return optimizer, scheduler
 
 
-def check_optimizer_parameters(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
-    """Warn when the optimizer holds parameters that are not the model's (built on another model instance).
+def check_optimizer_parameters(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, source: str, task: Any
+) -> None:
+    """Refuse an optimizer that holds none of the model's parameters; warn when it holds some that are not the model's.
 
-    Such an optimizer steps tensors the forward never uses: the model does not train, silently.
+    An optimizer built over another module (a second instance, a copy, a module the task keeps beside the model)
+    steps tensors the model's forward never uses: the model never changes and the loss stays flat, silently. That
+    can only be a mistake, so it is an error. Parameters beside the model's (a learnable temperature kept on the
+    task) do train, but they are not saved with the model, and on several processes DDP does not average their
+    gradients: a warning. Both name the parameters (``self.<attribute>.<name>`` where the task holds them, else
+    their shapes).
+
+    Args:
+        optimizer: the optimizer ``configure_optimizers`` returned (not yet prepared).
+        model: the model ``configure_model`` returned (after the ``configure_model`` hook).
+        source (`str`): who built the optimizer, for the message (``"MyTask.configure_optimizers()"``).
+        task: the task, searched for the modules and tensors that hold the parameters.
+
+    Raises:
+        TaskError: none of the optimizer's parameters is a parameter of the model.
     """
     own = {id(p) for p in model.parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    foreign = sum(1 for p in params if id(p) not in own)
-    if foreign:
-        warnings.warn(
-            f"{foreign} of the optimizer's {len(params)} parameters are not parameters of the model being trained "
-            "(was the optimizer built on another model instance?); they are stepped but never used by the forward. "
-            "Build the optimizer from self.model.parameters() in configure_optimizers",
-            UserWarning,
-            stacklevel=3,
+    params = list({id(p): p for group in optimizer.param_groups for p in group["params"]}.values())
+    foreign = [p for p in params if id(p) not in own]
+    if not foreign:
+        return
+    listing = _parameter_listing(foreign, task)
+    if len(foreign) == len(params):
+        kept = sum(1 for _ in model.parameters())
+        raise TaskError(
+            f"{source}: the optimizer holds none of the model's parameters: its {len(params)} parameter"
+            f"{'s' if len(params) != 1 else ''} ({listing}) are not parameters of the "
+            f"{type(model).__name__} that configure_model returned ({kept} parameter{'s' if kept != 1 else ''}), "
+            "so the model would never change. Build the optimizer from self.model.parameters() in "
+            "configure_optimizers"
         )
+    warnings.warn(
+        f"{source}: {len(foreign)} of the optimizer's {len(params)} parameters "
+        f"{'is not a parameter' if len(foreign) == 1 else 'are not parameters'} of the model: {listing}. They are "
+        "stepped, but not saved with the model, and on several processes their gradients are not averaged. Put them "
+        "in the module configure_model returns (as submodules or nn.Parameter attributes)",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _parameter_listing(tensors: list[torch.Tensor], task: Any, limit: int = 6) -> str:
+    """``self.other.weight [1, 4], self.other.bias [1]``: the name each tensor has as an attribute of ``task`` (or of
+    a module the task holds), else ``a tensor of shape [1, 4]``; at most ``limit``, then how many more."""
+    names: dict[int, str] = {}
+    for attribute, value in vars(task).items() if hasattr(task, "__dict__") else ():
+        if attribute == "model" or attribute.startswith("__"):
+            continue
+        if isinstance(value, torch.nn.Module):
+            for name, parameter in value.named_parameters(prefix=f"self.{attribute}"):
+                names.setdefault(id(parameter), name)
+        elif isinstance(value, torch.Tensor):
+            names.setdefault(id(value), f"self.{attribute}")
+    shown = [
+        f"{names[id(t)]} {list(t.shape)}" if id(t) in names else f"a tensor of shape {list(t.shape)}"
+        for t in tensors[:limit]
+    ]
+    more = f" and {len(tensors) - limit} more" if len(tensors) > limit else ""
+    return ", ".join(shown) + more
 
 
 # --------------------------------------------------------------------------------------- several ranks
@@ -200,6 +249,8 @@ def check_same_length(accelerator: Any, dataloader: Any, what: str) -> None:
 
 #: Internal log name: the share of micro-batches whose tensor ``num_items`` was negative (`TrainingChecks`).
 NEGATIVE_ITEMS = "torchloom/negative_num_items"
+#: Internal log name: the mean ``num_items`` of the micro-batches that returned one; 0 when every one returned 0.
+NUM_ITEMS = "torchloom/num_items"
 
 
 class TrainingChecks:
@@ -216,13 +267,17 @@ class TrainingChecks:
         self.checked_step = 0  # the optimizer steps up to here were checked
         self.scaler_skips = 0  # fp16 loss-scaler skips up to checked_step
 
-    def check(self, loss: float | None, negative_items: float, progress: Any, scaler_skips: int) -> None:
+    def check(
+        self, loss: float | None, negative_items: float, progress: Any, scaler_skips: int, items: float | None = None
+    ) -> None:
         """Check one reduction: ``loss`` is the reduced ``train/loss`` (``None`` if nothing was trained),
         ``negative_items`` the share of micro-batches with a negative tensor ``num_items``, ``scaler_skips`` the
-        fit's count of steps the fp16 loss scaler skipped.
+        fit's count of steps the fp16 loss scaler skipped, ``items`` the mean ``num_items`` over the micro-batches
+        and ranks (``None`` when the steps returned none).
 
         Raises:
-            TaskError: a negative ``num_items``, or a non-finite loss in a step the loss scaler did not skip.
+            TaskError: a negative ``num_items``; a non-finite loss in a step the loss scaler did not skip, which
+                is a loss over no items when every micro-batch returned ``num_items`` 0 (`zero_items_error`).
         """
         first, last = self.checked_step + 1, progress.global_step
         self.checked_step = last
@@ -235,6 +290,8 @@ class TrainingChecks:
                 "the items (samples, labelled tokens) its loss is a mean over: it must be >= 0"
             )
         if loss is not None and self.nonfinite_loss == "error" and not math.isfinite(loss) and not overflowed:
+            if items == 0:  # the weighted mean over no items is 0 / 0: not a divergence
+                raise zero_items_error(loss, first, last, progress.epoch)
             raise nonfinite_loss_error(loss, first, last, progress.epoch)
 
 
@@ -266,6 +323,18 @@ def nonfinite_loss_error(value: float, first_step: int, last_step: int, epoch: i
         "Lower the learning rate, clip gradients (grad_clip), check the data and the loss for division by zero "
         "or log(0), or set the engine setting nonfinite_loss to 'skip' (skip such steps) or 'ignore'. "
         "log_every_n_steps=1 narrows down the step"
+    )
+
+
+def zero_items_error(value: float, first_step: int, last_step: int, epoch: int) -> TaskError:
+    """The error for a training loss that is a mean over no items: every micro-batch of the optimizer steps
+    ``first_step..last_step`` (1-based), on every process, returned ``num_items`` 0."""
+    return TaskError(
+        f"every micro-batch of {optimizer_steps(first_step, last_step)} (epoch {epoch}) returned num_items=0, on "
+        f"every process, so the training loss is {value}: a mean over no items (no labelled tokens), not a "
+        "divergence; stopping, and the model is not saved. Check the labels and the loss mask (every label -100, "
+        "or truncation that cut off every completion?), and return num_items = the number of items the loss is a "
+        "mean over"
     )
 
 

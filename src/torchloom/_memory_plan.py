@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import difflib
 import functools
 import os
 import sys
@@ -68,6 +67,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from torchloom._suggest import closest
 from torchloom.errors import ConfigError, TorchloomError
 from torchloom.memory import _installed_estimators, estimate_optimizer_memory
 from torchloom.plugins import HookRelay, enable_plugins
@@ -761,8 +761,8 @@ def _build_hf(config: Any, architecture: str | None, mode: Any) -> torch.nn.Modu
         name = next((registered[k] for k in kinds if k in registered), None)
     cls = getattr(transformers, name, None) if name else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        close = difflib.get_close_matches(str(name), sorted(set(registered.values())), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else "."
+        close = closest(str(name), sorted(set(registered.values())))
+        hint = f"; did you mean {close!r}?" if close else "."
         raise ConfigError(f"architecture {name!r} is not a transformers model class{hint} {valid}")
     config_class: Any = cls.config_class
     if isinstance(config_class, type) and not isinstance(config, config_class):

@@ -95,7 +95,6 @@ def prepare_run(
                 "each epoch"
             )
         optimizer, scheduler = _configure_optimizers(task, model, relay, accelerator)
-        check_optimizer_parameters(optimizer, model)
         model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
         # The scheduler is stepped by the default step once per real optimizer step, so it is not prepared
         # (Accelerate would step it num_processes times per call). Checkpoints keep its state as JSON
@@ -210,7 +209,8 @@ def _configure_optimizers(
 
     Raises:
         PluginError: two plugins answered (the first would silently win).
-        TaskError: the answer is not an optimizer, ``(optimizer, scheduler)`` or a dict of them.
+        TaskError: the answer is not an optimizer, ``(optimizer, scheduler)`` or a dict of them, or its optimizer
+            holds none of the model's parameters (`check_optimizer_parameters`).
     """
     answers = [
         (name, spec)
@@ -229,8 +229,12 @@ def _configure_optimizers(
             "(each would build the optimizer)"
         )
     if answers:
-        return split_optimizers(answers[0][1], f"plugin {answers[0][0]!r}: configure_optimizers")
-    return split_optimizers(task.configure_optimizers(), f"{type(task).__name__}.configure_optimizers()")
+        source, spec = f"plugin {answers[0][0]!r}: configure_optimizers", answers[0][1]
+    else:
+        source, spec = f"{type(task).__name__}.configure_optimizers()", task.configure_optimizers()
+    optimizer, scheduler = split_optimizers(spec, source)
+    check_optimizer_parameters(optimizer, model, source, task)
+    return optimizer, scheduler
 
 
 def _num_training_steps(config: EngineConfig, train_dataloader: Any, accelerator: Accelerator) -> int | None:

@@ -23,6 +23,7 @@ from torchloom._data_position import data_order, position, resume_point
 from torchloom._default_step import DefaultTrainStep
 from torchloom._guards import (
     NEGATIVE_ITEMS,
+    NUM_ITEMS,
     TrainingChecks,
     check_same_length,
     check_step_outputs,
@@ -279,6 +280,8 @@ class Engine:
         self.logs.train.log("train/loss", loss, items)  # kept on the device, folded at the logging interval
         if isinstance(items, torch.Tensor):  # its sign is checked at the logging interval, on the device
             self.logs.train.log(NEGATIVE_ITEMS, (items < 0).to(torch.float32))
+        if "num_items" in outputs:  # a tensor is only appended: a zero mean is read at the logging interval
+            self.logs.train.log(NUM_ITEMS, outputs["num_items"])
         return outputs
 
     def _step_boundary(self, task: TaskModule, run: Run) -> bool:
@@ -314,7 +317,8 @@ class Engine:
         """Reduce the training values (every rank), send them to ``on_log``, and check them (`TrainingChecks`)."""
         metrics, internal = self._reduce(run, self.logs.train)
         skips = self._default_step.scaler_skipped_steps
-        self._checks.check(metrics.get("train/loss"), internal.get(NEGATIVE_ITEMS, 0.0), self.progress, skips)
+        negative, items = internal.get(NEGATIVE_ITEMS, 0.0), internal.get(NUM_ITEMS)
+        self._checks.check(metrics.get("train/loss"), negative, self.progress, skips, items)
 
     # ---------------------------------------------------------------------------------------- checkpoints
 

@@ -14,12 +14,12 @@ knows no optimizer: it asks the installed plugins, through two class attributes 
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from torchloom._suggest import closest
 from torchloom.errors import ConfigError, PluginError
 from torchloom.plugins import find_plugin, installed_plugins
 
@@ -164,8 +164,8 @@ def _unknown_name_message(name: str, candidates: list[Estimator], skipped: list[
             f"memory (a plugin does by defining {NAMES_ATTR} and {ESTIMATE_ATTR}){_not_asked(skipped)}"
         )
     known = [n for _, names, _ in candidates for n in names]
-    close = difflib.get_close_matches(str(name), known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else "."
+    close = closest(name, known)
+    hint = f"; did you mean {close!r}?" if close else "."
     return f"estimate_optimizer_memory: unknown optimizer {name!r}{hint} Valid: {_valid_names(candidates)}" + (
         _not_asked(skipped)
     )

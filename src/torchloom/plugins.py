@@ -13,7 +13,6 @@ be enabled or listed at all.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import sys
 import traceback
@@ -27,6 +26,7 @@ from typing import Any, ClassVar, Literal, Union
 import pluggy
 
 from torchloom import hookspecs
+from torchloom._suggest import closest
 from torchloom.errors import ConfigError, PluginError
 
 __all__ = [
@@ -129,8 +129,8 @@ def build_config(plugin_cls: type, settings: Mapping[str, Any] | None) -> Any:
     values = {}
     for key, value in settings.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = closest(key, fields)
+            hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(
                 f"plugin {name!r}: unknown setting {key!r}{hint} Valid settings: {', '.join(fields) or '(none)'}"
             )
@@ -301,8 +301,8 @@ def find_plugin(name: str, installed: Mapping[str, list[PluginInfo]] | None = No
                     f"unknown plugin {name!r}: {setting} allows none of the installed plugins "
                     f"({', '.join(everything) or 'none installed'}); list the plugins to allow in it, or unset it"
                 )
-        close = difflib.get_close_matches(name, installed, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        close = closest(name, installed)
+        hint = f" Did you mean {close!r}?" if close else ""
         raise PluginError(f"unknown plugin {name!r}.{hint} Installed plugins: {', '.join(installed) or '(none)'}")
     registrations = installed[name]
     if len(registrations) > 1:

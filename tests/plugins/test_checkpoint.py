@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,97 @@ def test_keep_best_keeps_the_best_scoring_checkpoint_next_to_the_last(tmp_path, 
     assert _names(engine.run_dir) == sorted({best, "step-00000008"})
     (plugin,) = engine.plugins
     assert plugin.scores[str(Path(engine.run_dir) / "checkpoints" / best)] == {"max": 0.9, "min": 0.1}[mode]
+
+
+# ------------------------------------------------------------------------------------- monitors never checked
+
+
+def _monitored_fit(tmp_path, settings, scores, **engine_settings):
+    """A fit with the checkpoint plugin's ``settings`` and ``ScriptedValidation(scores)``; returns the engine and the
+    checkpoint plugin's own warnings (the texts)."""
+    engine_settings = {"val_check_interval": 2, "num_sanity_val_steps": 0, **engine_settings}
+    engine = torchloom.Engine(output_dir=str(tmp_path), plugins={"checkpoint": settings}, **engine_settings)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")  # also a second time in this process: warnings are not deduplicated here
+        engine.fit(ScriptedValidation(scores))
+    return engine, [str(w.message) for w in record if str(w.message).startswith("checkpoint:")]
+
+
+def test_a_monitor_that_is_never_logged_warns_once_with_the_closest_name(tmp_path):
+    """val/scor is never logged: no checkpoint gets a score (none is kept as the best), and one warning at the end
+    names the logged names and the closest one; the same fit with the right name says nothing."""
+    settings = {"every_n_steps": 2, "every_n_epochs": None, "keep_last": 1, "monitor": "val/scor"}
+    engine, said = _monitored_fit(tmp_path / "typo", settings, [0.5, 0.9, 0.1, 0.3])
+    (plugin,) = engine.plugins
+    assert plugin.scores == {} and _names(engine.run_dir) == ["step-00000008"]
+    assert said == [
+        "checkpoint: monitor 'val/scor' was never logged during this fit, so no checkpoint was ranked by it and none "
+        "was kept as the best; did you mean 'val/score'? Logged names: 'train/loss', 'val/score'. Log it "
+        "(self.log('val/scor', ...) in validation_step) or set 'monitor' to one of these"
+    ]
+    _, said = _monitored_fit(tmp_path / "right", {**settings, "monitor": "val/score"}, [0.5, 0.9, 0.1, 0.3])
+    assert said == []
+
+
+def test_saves_that_never_see_a_fresh_value_warn(tmp_path):
+    """Saves at steps 3, 6 of a value validated at steps 2, 4, 6, 8: the save at step 6 has a fresh value, no warning.
+    Saves at 3, 6 of a value validated at 4, 8 never have one (each score is the previous validation's): one warning
+    naming both. So do saves at 2, 4 of a fit of 5 steps that validates only at the end of training (step 5)."""
+    settings = {"every_n_steps": 3, "every_n_epochs": None, "keep_last": None, "monitor": "val/score", "mode": "max"}
+    _, said = _monitored_fit(tmp_path / "aligned", settings, [0.5, 0.9, 0.1, 0.3])
+    assert said == []
+    engine, said = _monitored_fit(tmp_path / "stale", settings, [0.5, 0.9], val_check_interval=4)
+    (plugin,) = engine.plugins
+    assert sorted(plugin.scores.values()) == [0.5]  # as before: the latest value at each save (none at step 3)
+    assert said == [
+        "checkpoint: monitor 'val/score' was logged at steps 4, 8, but none of the 2 checkpoints of this fit (at "
+        "steps 3, 6) was saved at a step where it was logged: each one's score is a value of earlier weights, or "
+        "none, and keep_best ranks them by it. Save where 'val/score' is logged: every_n_steps a multiple of "
+        "val_check_interval (or of log_every_n_steps for a training value), or every_n_epochs with validation at "
+        "the end of each epoch"
+    ]
+    late = {**settings, "every_n_steps": 2}
+    _, said = _monitored_fit(tmp_path / "late", late, [0.5], val_check_interval=None, max_steps=5)
+    assert len(said) == 1
+    assert said[0].startswith(
+        "checkpoint: monitor 'val/score' was logged at step 5, but none of the 2 checkpoints of this fit (at steps "
+        "2, 4) was saved at a step where it was logged"
+    )
+
+
+@pytest.mark.parametrize(
+    ("monitor", "mode", "expected"),
+    [
+        ("val/loss", "max", "min"),
+        ("val/perplexity", "max", "min"),
+        ("train/mse", "max", "min"),
+        ("val/MulticlassAccuracy", "min", "max"),
+        ("val/f1", "min", "max"),
+        ("val/auroc", "min", "max"),
+    ],
+)
+def test_a_mode_against_the_name_warns_once_when_the_plugin_is_made(monitor, mode, expected):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        Checkpoint(monitor=monitor, mode=mode)
+    reads, worst, better = {
+        "min": ("lower-is-better (a loss or an error)", "highest", "higher"),
+        "max": ("higher-is-better (a score)", "lowest", "lower"),
+    }[expected]
+    assert [str(w.message) for w in record] == [
+        f"checkpoint: mode {mode!r} with monitor {monitor!r}, a name that reads as {reads}: the {worst} value will "
+        f"count as the best. Set mode to {expected!r}, or keep {mode!r} if {better} is better for this value"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("monitor", "mode"),
+    [("val/loss", "min"), ("val/accuracy", "max"), ("val/score", "max"), ("val/score", "min"), ("lr", "max")],
+)
+def test_a_mode_that_fits_the_name_or_a_name_that_says_nothing_does_not_warn(monitor, mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Checkpoint(monitor=monitor, mode=mode)
 
 
 @pytest.mark.parametrize(

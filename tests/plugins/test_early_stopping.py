@@ -192,7 +192,7 @@ def test_the_stopping_threshold_value_is_recorded_as_the_best(tmp_path):
 
 def test_the_monitor_never_logged_warns_once_and_never_stops(tmp_path):
     stopper = EarlyStopping(monitor="val/los", patience=1)
-    with pytest.warns(UserWarning, match=r"early_stopping: 'val/los' was never logged") as record:
+    with pytest.warns(UserWarning, match=r"early_stopping: monitor 'val/los' was never logged") as record:
         engine = fit(stopper, [1.0] * 13, tmp_path)
     ours = [w for w in record if "early_stopping" in str(w.message)]
     assert len(ours) == 1
@@ -206,6 +206,77 @@ def test_no_warning_when_the_monitor_is_logged(tmp_path):
         warnings.simplefilter("always")
         fit(EarlyStopping(), [1.0, 0.5, 0.25] + [0.1] * 10, tmp_path)
     assert not [w for w in record if "early_stopping" in str(w.message)]
+
+
+def _our_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("early_stopping:")]
+
+
+def test_patience_the_fit_can_never_reach_warns_at_the_end(tmp_path):
+    """Validation every 8 steps of a 16-step fit: checks at steps 8 and 16, and patience 2 needs 3 (the best, then 2
+    without improvement): one warning naming the checks. Patience 1 needs 2: none."""
+    settings = {"val_check_interval": 8, "max_epochs": 2}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(EarlyStopping(patience=2), [1.0, 2.0, 3.0], tmp_path / "short", **settings)
+    assert _our_warnings(record) == [
+        "early_stopping: monitor 'val/loss' was checked 2 times while training, at steps 8, 16; with patience 2 a stop "
+        "needs 3 checks while training, so patience could never stop this fit. Log 'val/loss' more often (engine "
+        "settings val_check_interval, log_every_n_steps) or lower patience"
+    ]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        engine = fit(EarlyStopping(patience=1), [1.0, 2.0, 3.0], tmp_path / "enough", **settings)
+    assert _our_warnings(record) == [] and engine.progress.global_step == 16
+
+
+def test_a_value_logged_less_often_than_the_fit_is_long_warns(tmp_path):
+    """A fit of 5 steps (max_steps) that validates only at the end of each epoch logs val/loss once, at step 5: logged,
+    so no "never logged" warning, but patience 1 needs 2 checks. So does train/loss with log_every_n_steps 50 in a
+    fit of 8 steps: checked once, at the end."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        engine = fit(EarlyStopping(patience=1), [1.0], tmp_path / "val", val_check_interval=None, max_steps=5)
+    assert checked_steps(engine) == [5]
+    assert _our_warnings(record) == [
+        "early_stopping: monitor 'val/loss' was checked 1 time while training, at step 5; with patience 1 a stop "
+        "needs 2 checks while training, so patience could never stop this fit. Log 'val/loss' more often (engine "
+        "settings val_check_interval, log_every_n_steps) or lower patience"
+    ]
+    stopper = EarlyStopping(monitor="train/loss", patience=1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        engine = tiny_fit([stopper], task=TinyTask(validate=False), output_dir=str(tmp_path), log_every_n_steps=50)
+    assert checked_steps(engine, "train/loss") == [8]
+    (said,) = _our_warnings(record)
+    assert said.startswith(
+        "early_stopping: monitor 'train/loss' was checked 1 time while training, at step 8; with patience 1 a stop "
+        "needs 2 checks while training"
+    )
+
+
+def test_a_resumed_state_needs_only_the_checks_left(tmp_path):
+    """Loaded best 0.5 and wait 2 with patience 3: one check without improvement stops the fit, so a fit with two
+    checks gets no warning (it stops at the first)."""
+    stopper = EarlyStopping(patience=3)
+    stopper.load_state_dict({"best": 0.5, "best_step": 4, "wait": 2, "stopped_step": None})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        engine = fit(stopper, [1.0, 1.0], tmp_path, val_check_interval=4, max_epochs=1)
+    assert engine.progress.global_step == 4 and _our_warnings(record) == []
+
+
+@pytest.mark.parametrize(
+    ("monitor", "mode", "expected"),
+    [("val/loss", "max", "min"), ("val/acc", "min", "max"), ("val/accuracy", "min", "max")],
+)
+def test_a_mode_against_the_name_warns_when_the_plugin_is_made(monitor, mode, expected):
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        EarlyStopping(monitor=monitor, mode=mode)
+    (said,) = _our_warnings(record)
+    assert said.startswith(f"early_stopping: mode {mode!r} with monitor {monitor!r}, a name that reads as ")
+    assert f"Set mode to {expected!r}, or keep {mode!r}" in said
 
 
 def test_validate_outside_a_fit_changes_nothing(tmp_path):
