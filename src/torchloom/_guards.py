@@ -18,7 +18,6 @@ from torchloom.errors import ConfigError, PluginError, TaskError
 
 __all__ = [
     "NEGATIVE_ITEMS",
-    "NUM_ITEMS",
     "TrainingChecks",
     "check_finite_parameters",
     "check_model",
@@ -249,8 +248,6 @@ def check_same_length(accelerator: Any, dataloader: Any, what: str) -> None:
 
 #: Internal log name: the share of micro-batches whose tensor ``num_items`` was negative (`TrainingChecks`).
 NEGATIVE_ITEMS = "torchloom/negative_num_items"
-#: Internal log name: the mean ``num_items`` of the micro-batches that returned one; 0 when every one returned 0.
-NUM_ITEMS = "torchloom/num_items"
 
 
 class TrainingChecks:
@@ -272,8 +269,8 @@ class TrainingChecks:
     ) -> None:
         """Check one reduction: ``loss`` is the reduced ``train/loss`` (``None`` if nothing was trained),
         ``negative_items`` the share of micro-batches with a negative tensor ``num_items``, ``scaler_skips`` the
-        fit's count of steps the fp16 loss scaler skipped, ``items`` the mean ``num_items`` over the micro-batches
-        and ranks (``None`` when the steps returned none).
+        fit's count of steps the fp16 loss scaler skipped, ``items`` the sum of ``num_items`` over the
+        micro-batches and ranks (the summed weight of ``train/loss``; ``None`` when nothing was logged).
 
         Raises:
             TaskError: a negative ``num_items``; a non-finite loss in a step the loss scaler did not skip, which

@@ -9,8 +9,10 @@ from accelerate.utils import gather_object
 
 from torchloom.errors import TaskError
 
-__all__ = ["REDUCTIONS", "LogBuffer", "compute_metric"]
+__all__ = ["REDUCTIONS", "WEIGHT_PREFIX", "LogBuffer", "compute_metric"]
 
+#: The prefix of a summed weight that `LogBuffer.reduce` returns on request (an internal name of the engine's).
+WEIGHT_PREFIX = "torchloom/weight/"
 #: How the values of one name are combined over an interval and over the ranks (``log(..., reduce=...)``).
 #: ``mean`` is weighted by ``weight``; ``last`` keeps the latest value of the interval, from the main process.
 REDUCTIONS = ("mean", "sum", "max", "min", "last")
@@ -178,13 +180,15 @@ class LogBuffer:
     def __bool__(self) -> bool:
         return bool(self._reductions)
 
-    def reduce(self, accelerator: Any) -> dict[str, float]:
+    def reduce(self, accelerator: Any, weights: tuple[str, ...] = ()) -> dict[str, float]:
         """Return name -> value over everything buffered, the same on every rank, and clear the buffer.
 
         Plain values: one collective (a gather of every name's partial result) and one device-to-host copy,
         whatever the number of names; ``mean`` is the weighted mean over the interval and the ranks, ``sum``
         the total, ``max`` / ``min`` the extreme, ``last`` the main process's latest value. Metrics: each is
-        computed (torchmetrics gathers its state over the ranks), then reset.
+        computed (torchmetrics gathers its state over the ranks), then reset. For each ``mean`` name in
+        ``weights`` that was logged, the summed weight over the interval and the ranks is returned too, as
+        ``WEIGHT_PREFIX + name`` (``torchloom/weight/train/loss``: the items the training loss is a mean over).
 
         Raises:
             TaskError: the ranks logged different names or reductions; a metric's compute failed or did not
@@ -200,7 +204,7 @@ class LogBuffer:
             if any(other != signature for other in per_rank):
                 listing = "; ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
                 raise TaskError(f"every process must log the same names between two logging steps; got {listing}")
-        reduced = self._reduce_values(names, accelerator) if names else {}
+        reduced = self._reduce_values(names, accelerator, weights) if names else {}
         metrics, self.metrics = self.metrics, {}
         self.clear()
         # Every metric is computed on every rank even after one fails: each compute is a collective, so a rank
@@ -217,7 +221,7 @@ class LogBuffer:
             raise failure
         return reduced
 
-    def _reduce_values(self, names: list[str], accelerator: Any) -> dict[str, float]:
+    def _reduce_values(self, names: list[str], accelerator: Any, weights_of: tuple[str, ...]) -> dict[str, float]:
         dtype = _sum_dtype(accelerator.device)
 
         def column(values: list[Any]) -> torch.Tensor:
@@ -236,8 +240,10 @@ class LogBuffer:
             "last": values[0],
         }
         kinds = [self._reductions[n] for n in names]
-        result = torch.stack([combined[k][i] for i, k in enumerate(kinds)]).tolist()
-        return dict(zip(names, result))
+        summed = [(i, n) for i, n in enumerate(names) if n in weights_of and kinds[i] == "mean"]
+        columns = [combined[k][i] for i, k in enumerate(kinds)] + [weights[:, i].sum() for i, _ in summed]
+        result = torch.stack(columns).tolist()  # one device-to-host copy for all of them
+        return {**dict(zip(names, result)), **{WEIGHT_PREFIX + n: w for (_, n), w in zip(summed, result[len(names) :])}}
 
 
 def _sum_dtype(device: torch.device) -> torch.dtype:

@@ -128,8 +128,11 @@ class RunLog:
             self._buffer.reset_metrics()
             self._buffer = previous
 
-    def reduce(self, buffer: LogBuffer, accelerator: Any, step: int, epoch: int) -> tuple[dict[str, float], dict]:
-        """Reduce ``buffer`` over the ranks and record the result; return ``(reported, internal)`` values.
+    def reduce(
+        self, buffer: LogBuffer, accelerator: Any, step: int, epoch: int, weights: tuple[str, ...] = ()
+    ) -> tuple[dict[str, float], dict]:
+        """Reduce ``buffer`` over the ranks and record the result; return ``(reported, internal)`` values (the
+        summed weights of the ``mean`` names in ``weights`` among the internal ones, see `LogBuffer.reduce`).
 
         Every rank must call this at the same point of the run: it enters one collective whatever this rank
         buffered (on several processes), so a rank that logged nothing still meets the others. The values are
@@ -138,7 +141,7 @@ class RunLog:
         Raises:
             TaskError: the ranks logged different names.
         """
-        metrics = buffer.reduce(accelerator)
+        metrics = buffer.reduce(accelerator, weights)
         internal = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith(INTERNAL_PREFIX)]}
         if metrics:
             self.latest.update(metrics)

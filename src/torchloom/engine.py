@@ -23,13 +23,13 @@ from torchloom._data_position import data_order, position, resume_point
 from torchloom._default_step import DefaultTrainStep
 from torchloom._guards import (
     NEGATIVE_ITEMS,
-    NUM_ITEMS,
     TrainingChecks,
     check_same_length,
     check_step_outputs,
     eval_mode,
     stop_iteration,
 )
+from torchloom._logbuffer import WEIGHT_PREFIX
 from torchloom._logging import RunLog
 from torchloom._padding import batch_size, real_rows, take_rows
 from torchloom._runfiles import (
@@ -280,8 +280,6 @@ class Engine:
         self.logs.train.log("train/loss", loss, items)  # kept on the device, folded at the logging interval
         if isinstance(items, torch.Tensor):  # its sign is checked at the logging interval, on the device
             self.logs.train.log(NEGATIVE_ITEMS, (items < 0).to(torch.float32))
-        if "num_items" in outputs:  # a tensor is only appended: a zero mean is read at the logging interval
-            self.logs.train.log(NUM_ITEMS, outputs["num_items"])
         return outputs
 
     def _step_boundary(self, task: TaskModule, run: Run) -> bool:
@@ -315,9 +313,10 @@ class Engine:
 
     def _log_training(self, run: Run) -> None:
         """Reduce the training values (every rank), send them to ``on_log``, and check them (`TrainingChecks`)."""
-        metrics, internal = self._reduce(run, self.logs.train)
+        metrics, internal = self._reduce(run, self.logs.train, weights=("train/loss",))
         skips = self._default_step.scaler_skipped_steps
-        negative, items = internal.get(NEGATIVE_ITEMS, 0.0), internal.get(NUM_ITEMS)
+        # train/loss is weighted by num_items: its summed weight is the items trained on (0: none at all)
+        negative, items = internal.get(NEGATIVE_ITEMS, 0.0), internal.get(WEIGHT_PREFIX + "train/loss")
         self._checks.check(metrics.get("train/loss"), negative, self.progress, skips, items)
 
     # ---------------------------------------------------------------------------------------- checkpoints
@@ -558,10 +557,12 @@ class Engine:
         if failure is not None and failure is not error:
             raise failure
 
-    def _reduce(self, run: Run, buffer: Any) -> tuple[dict[str, float], dict[str, float]]:
+    def _reduce(
+        self, run: Run, buffer: Any, weights: tuple[str, ...] = ()
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """Reduce a buffer over the ranks (every rank enters) and send what it holds to ``on_log``."""
         p = self.progress
-        metrics, internal = self.logs.reduce(buffer, run.accelerator, p.global_step, p.epoch)
+        metrics, internal = self.logs.reduce(buffer, run.accelerator, p.global_step, p.epoch, weights)
         if metrics:
             run.relay.call("on_log", metrics=metrics, progress=p, accelerator=run.accelerator)
         return metrics, internal
