@@ -206,3 +206,22 @@ def test_every_evaluation_sample_counts_once_whatever_the_number_of_processes(tm
     assert sorted(i for r in results for i in r["predicted_ids"]) == list(range(10))
     accuracies = {r["accuracy"] for r in results}
     assert len(accuracies) == 1 and accuracies.pop() == pytest.approx(0.7, abs=1e-7)  # float32 0.7; 9/12 = 0.75
+
+
+def test_a_launch_that_hangs_fails_and_leaves_no_process_behind(tmp_path):
+    """The launcher of the multi-process tests: a timeout ends the launcher and both workers (which ignore SIGTERM
+    and sit in sessions of their own), and the failure shows what they printed."""
+    import os
+
+    import psutil
+
+    with pytest.raises(AssertionError) as info:
+        torchrun("hang.py", tmp_path, nproc=2, timeout=20)
+    message = str(info.value)
+    assert message.startswith("torchrun hang.py hung: still running after 20 s; the launcher and its 2 worker(s)")
+    assert "rank 0 is waiting" in message and "rank 1 is waiting" in message
+    pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in (0, 1)]
+    assert all(str(pid) in message for pid in pids)
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"{pid} still runs"
+    assert os.getpid() not in pids

@@ -6,6 +6,7 @@ Each script in tests/mp/ takes an output directory as its first argument and wri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -21,10 +22,13 @@ def torchrun(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: fl
 
     One launch, never retried: any failure (a rank that raised, a process killed by a signal, an abort at exit)
     fails the test with the launch's output. ``--standalone`` lets torchrun choose a free port itself, so no two
-    launches can race for one.
+    launches can race for one. A launch still running after ``timeout`` seconds is a hang: the launcher and every
+    process it started are killed (torchrun starts each worker in a session of its own, so ending the launcher
+    alone, as ``subprocess.run(timeout=...)`` does, would leave the workers running after the test), and the test
+    fails with their last output.
 
     Raises:
-        AssertionError: the launch failed (its output is in the message).
+        AssertionError: the launch failed or hung (its output is in the message).
     """
     env = {
         **os.environ,
@@ -36,10 +40,40 @@ def torchrun(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: fl
     for stale in out_dir.glob("result-*.json"):
         stale.unlink()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.run(
-        [*cmd, str(MP_DIR / script), str(out_dir), *args], env=env, capture_output=True, text=True, timeout=timeout
+    launcher = subprocess.Popen(
+        [*cmd, str(MP_DIR / script), str(out_dir), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert proc.returncode == 0, (
-        f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    try:
+        stdout, stderr = launcher.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        workers = kill_tree(launcher.pid)
+        stdout, stderr = launcher.communicate()
+        raise AssertionError(
+            f"torchrun {script} hung: still running after {timeout:g} s; the launcher and its {len(workers)} "
+            f"worker(s) (pids {workers}) were killed. Their last output:\n{stdout[-4000:]}\n{stderr[-8000:]}"
+        ) from None
+    assert launcher.returncode == 0, (
+        f"torchrun {script} failed ({launcher.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}"
     )
     return [json.loads((out_dir / f"result-{rank}.json").read_text()) for rank in range(nproc)]
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL the process ``pid`` and every process below it, whatever session each is in; return the
+    descendants' pids."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        descendants = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    for process in [*descendants, root]:  # the children first: none is reparented out of reach
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs([*descendants, root], timeout=30)
+    return [process.pid for process in descendants]
