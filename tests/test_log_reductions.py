@@ -8,6 +8,7 @@ import torchmetrics
 
 import torchloom
 from torchloom.testing import TinyTask, tiny_fit
+from torchrun_util import torchrun
 
 
 class Logs(TinyTask):
@@ -95,6 +96,17 @@ def test_a_stop_request_ends_the_fit_at_the_next_check_as_a_success(tmp_path):
     assert (tmp_path / "version_0" / "model" / "model.safetensors").exists()
     assert engine.logged_metrics["val/loss"] == [r for r in engine.history if "val/loss" in r][-1]["val/loss"]
     assert [r["step"] for r in engine.history if "val/loss" in r][-1] == 6  # the final validation
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stop_requested_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, rank):
+    """A per-rank decision would stop one rank and leave the other waiting in its next collective (a hang the
+    launcher reports); the request is agreed over the ranks at the logging check after step 6."""
+    ranks = torchrun("stop_one_rank.py", tmp_path, str(rank), nproc=2, timeout=120)
+    assert [r["step"] for r in ranks] == [6, 6]
+    assert [r["reason"] for r in ranks] == [f"rank {rank} asked"] * 2  # the same reason everywhere
+    assert ranks[0]["val_loss"] == ranks[1]["val_loss"]  # the final validation ran on both
 
 
 def test_bad_reductions_are_one_clear_error(tmp_path):

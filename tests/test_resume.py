@@ -301,6 +301,17 @@ def test_another_optimizer_is_refused_unless_reset(saved, tmp_path) -> None:
     assert c.engine.progress.global_step == 15 and c.probe.steps[0]["step"] == 8  # and it went on from step 7
 
 
+def test_reset_optimizer_with_the_same_optimizer_class_starts_it_fresh(saved, tmp_path) -> None:
+    """reset_optimizer=True discards the saved optimizer state whether or not the class changed (AdamW both times
+    here); without it the saved state and learning rate come back."""
+    make = lambda: ShuffleTask(lr=0.02)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"reset_optimizer=True: the optimizer starts with fresh state"):
+        fresh = _resume(make, tmp_path / "fresh", saved, reset_optimizer=True)
+    assert fresh.probe.optimizer_at_start == {"state": 0, "lr": [0.02], "class": "AdamW"}
+    kept = _resume(make, tmp_path / "kept", saved)
+    assert kept.probe.optimizer_at_start == {"state": 4, "lr": [0.05 * 0.5**3], "class": "AdamW"}  # StepLR(2, 0.5)
+
+
 def test_a_scheduler_on_one_side_only_is_refused(saved, tmp_path) -> None:
     with pytest.raises(torchloom.CheckpointError, match=r"holds a learning-rate scheduler's state and this run has no"):
         _resume(lambda: ShuffleTask(optimizer="sgd"), tmp_path, saved, reset_optimizer=True)

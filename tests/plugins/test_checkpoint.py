@@ -8,6 +8,7 @@ The exactness of resume itself (parameters, optimizer, data order, random states
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -89,6 +90,81 @@ def test_keep_best_keeps_the_best_scoring_checkpoint_next_to_the_last(tmp_path, 
     assert _names(engine.run_dir) == sorted({best, "step-00000008"})
     (plugin,) = engine.plugins
     assert plugin.scores[str(Path(engine.run_dir) / "checkpoints" / best)] == {"max": 0.9, "min": 0.1}[mode]
+
+
+@pytest.mark.parametrize(
+    ("mode", "scores", "best"),
+    [("min", [math.nan, 0.5, 0.2, 0.9], "step-00000006"), ("max", [math.nan, 0.5, 0.9, 0.2], "step-00000006")],
+)
+def test_a_nan_score_is_never_the_best_and_the_real_best_survives(tmp_path, mode, scores, best):
+    """The first validation gives NaN (a diverged metric): its checkpoint is never ranked, so it goes once it is not
+    among the last; the best real score's checkpoint stays next to the last one."""
+    settings = {"every_n_steps": 2, "every_n_epochs": None, "keep_last": 1, "monitor": "val/score", "mode": mode}
+    engine = torchloom.Engine(
+        output_dir=str(tmp_path), val_check_interval=2, num_sanity_val_steps=0, plugins={"checkpoint": settings}
+    )
+    engine.fit(ScriptedValidation(scores))  # validations at steps 2, 4, 6, 8
+    assert _names(engine.run_dir) == [best, "step-00000008"]
+    (plugin,) = engine.plugins
+    assert all(not math.isnan(v) for v in plugin.scores.values())
+
+
+def test_every_n_epochs_2_over_3_epochs_saves_at_the_end_of_the_second_only(tmp_path):
+    engine = torchloom.Engine(
+        output_dir=str(tmp_path),
+        max_epochs=3,
+        plugins={"checkpoint": {"every_n_epochs": 2, "keep_last": None, "save_on_interrupt": False}},
+    )
+    engine.fit(TinyTask())  # 8 steps per epoch
+    assert _names(engine.run_dir) == ["step-00000016-epoch-end"]
+
+
+def test_resume_from_a_run_directory_takes_the_epoch_end_checkpoint_of_a_shared_step(tmp_path):
+    """Steps 8 and 16 end epochs: the step schedule and the epoch schedule both save there; the epoch-end one comes
+    later in the fit (after the epoch's validation), so it is the run's latest."""
+    engine = torchloom.Engine(
+        output_dir=str(tmp_path), max_epochs=2, plugins={"checkpoint": {"every_n_steps": 8, "keep_last": None}}
+    )
+    engine.fit(TinyTask())
+    assert _names(engine.run_dir) == [
+        "step-00000008",
+        "step-00000008-epoch-end",
+        "step-00000016",
+        "step-00000016-epoch-end",
+    ]
+    checkpoints = Path(engine.run_dir) / "checkpoints"
+    assert torchloom.checkpoint.find_checkpoint(engine.run_dir) == str(checkpoints / "step-00000016-epoch-end")
+    assert list_checkpoints(engine.run_dir) == [str(checkpoints / n) for n in _names(engine.run_dir)]
+
+
+def test_resume_from_an_output_dir_takes_the_latest_run_by_number(tmp_path):
+    """version_10 is later than version_2 (by number, not by name), and a run without checkpoints is skipped."""
+    for version, steps in ((2, 3), (10, 1), (11, None)):
+        run = tmp_path / f"version_{version}"
+        run.mkdir()
+        if steps is not None:
+            engine = torchloom.Engine(
+                output_dir=str(tmp_path / "scratch" / str(version)),
+                max_steps=steps,
+                plugins={"checkpoint": {"every_n_steps": 1, "keep_last": 1, "every_n_epochs": None}},
+            )
+            engine.fit(TinyTask())
+            os.rename(Path(engine.run_dir) / "checkpoints", run / "checkpoints")
+    assert torchloom.checkpoint.find_checkpoint(tmp_path) == str(
+        tmp_path / "version_10" / "checkpoints" / "step-00000001"
+    )
+    assert [Path(p).parent.parent.name for p in list_checkpoints(tmp_path)] == ["version_2", "version_10"]
+
+
+def test_the_next_run_directory_follows_the_highest_version(tmp_path):
+    (tmp_path / "version_5").mkdir()
+    (tmp_path / "version_x").mkdir()  # not a version
+    engine = torchloom.Engine(output_dir=str(tmp_path), max_steps=1)
+    engine.fit(TinyTask())
+    assert Path(engine.run_dir).name == "version_6"
+    (tmp_path / "version_10").mkdir()
+    engine.fit(TinyTask())
+    assert Path(engine.run_dir).name == "version_11"
 
 
 # ------------------------------------------------------------------------------------- monitors never checked

@@ -134,6 +134,28 @@ def test_mode_max(tmp_path):
     assert "'val/acc' did not improve for 3 checks in a row (patience 3, mode 'max')" in engine.stop_reason
 
 
+@pytest.mark.parametrize(
+    ("values", "stop_step", "best", "best_step"),
+    [
+        # 0.75 is exactly min_delta above 0.5: not an improvement; 0.625 neither -> stop at the third check.
+        ([0.5, 0.75, 0.625, 0.9], 6, 0.5, 2),
+        # 0.875 beats 0.5 by 0.375: the best; 1.0 beats it by 0.125 only: not an improvement, and not the best.
+        ([0.5, 0.875, 1.0, 1.0, 0.1], 8, 0.875, 4),
+        # min_delta applies upwards: 0.4 is far below 0.5, which in mode min would be an improvement.
+        ([0.5, 0.4, 0.3, 0.9], 6, 0.5, 2),
+    ],
+)
+def test_mode_max_with_min_delta(tmp_path, values, stop_step, best, best_step):
+    stopper = EarlyStopping(monitor="val/acc", mode="max", patience=2, min_delta=0.25)
+    task = ScriptedTask(values, name="val/acc")
+    engine = tiny_fit(
+        [stopper], task=task, output_dir=str(tmp_path), val_check_interval=2, num_sanity_val_steps=0, max_epochs=3
+    )
+    assert engine.progress.global_step == stop_step
+    assert (stopper.best, stopper.best_step) == (best, best_step)
+    assert "did not improve by more than min_delta 0.25 for 2 checks" in engine.stop_reason
+
+
 # -------------------------------------------------------------------------------------- non-finite values
 
 

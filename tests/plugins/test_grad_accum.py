@@ -127,6 +127,23 @@ def test_hooks_fire_once_per_window_and_the_accelerator_gets_the_steps(tmp_path)
     assert steps_at == [3, 7]
 
 
+@pytest.mark.parametrize(("steps", "max_steps"), [(2, 3), (3, 2), (4, 5)])
+def test_max_steps_counts_optimizer_steps_not_micro_batches(tmp_path, steps, max_steps) -> None:
+    """max_steps=3 with 2 micro-batches per step stops after 6 micro-batches (not 3), with a task whose epochs hold 8
+    (max_steps=5 with steps 4 ends after the first window of the third epoch)."""
+    recorder = RecordingPlugin()
+    engine = tiny_fit(
+        [{"grad_accum": {"steps": steps}}, recorder],
+        task=TinyTask(n=32, batch_size=4, validate=False),
+        output_dir=str(tmp_path),
+        max_epochs=5,
+        max_steps=max_steps,
+    )
+    assert engine.progress.global_step == max_steps
+    assert recorder.calls.count("before_optimizer_step") == max_steps
+    assert engine.progress.micro_step == recorder.calls.count("run_train_step") == steps * max_steps
+
+
 # --------------------------------------------------------------------------- N x b micro-batches == 1 x N*b
 
 
