@@ -58,6 +58,10 @@ def run(label, settings, n=32, grad_accum=None, crash_at=None, ckpt_path=None):
         "final": [x for p in model.parameters() for x in p.detach().flatten().tolist()],
         "global_step": engine.progress.global_step,
         "checkpoint": probe.checkpoint,
+        # the plugin's fp32 global parameters after the fit (DiLoCo; None for plain averaging)
+        "outer_params": None
+        if (lsgd := next(p for p in engine.plugins if getattr(p, "name", "") == "local_sgd")).outer_params is None
+        else [x for g in lsgd.outer_params for x in g.flatten().tolist()],
     }
     return task
 

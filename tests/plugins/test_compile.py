@@ -9,6 +9,7 @@ without generating kernels (fast); one test compiles with inductor.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -154,6 +155,46 @@ def test_graph_breaks_counted(tmp_path):
 
     engine = _fit({"compile": {"backend": "eager"}}, tmp_path, task=Breaking())
     assert engine.history[-1]["compile/graph_breaks"] >= 1
+
+
+@pytest.mark.parametrize(("threshold", "warns"), [(4, False), (3, True)])
+def test_the_recompile_warning_fires_past_the_threshold_not_at_it(tmp_path, threshold, warns):
+    """5 lengths: 4 graphs compiled after the first step. Threshold 4 is reached, not passed: no warning."""
+    settings = {"backend": "aot_eager", "dynamic": False, "recompile_warn_threshold": threshold}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        engine = _fit({"compile": settings}, tmp_path, task=MLPTask((3, 5, 7, 9, 11)))
+    assert engine.history[-1]["compile/recompiles"] == 4
+    compile_warnings = [str(w.message) for w in record if str(w.message).startswith("compile:")]
+    assert len(compile_warnings) == (1 if warns else 0)
+    if warns:
+        assert compile_warnings[0].startswith("compile: 4 graphs were recompiled after the first step (threshold 3;")
+
+
+def test_counts_are_per_fit(tmp_path):
+    """Dynamo's counters are per process; the plugin counts from the start of each fit. Two fits of new models over
+    lengths 3, 5, 7 each recompile twice (a graph per new length after the first step); a model with a graph break
+    reports the breaks of its own fit (Dynamo caches the broken-off frames, so a second one breaks less often)."""
+
+    class Breaking(MLPTask):
+        def configure_model(self) -> torch.nn.Module:
+            model = super().configure_model()
+            model[0].register_forward_hook(lambda m, i, o: print(end=""))  # print: a graph break
+            return model
+
+    plugins = {"compile": {"backend": "eager", "dynamic": False, "recompile_warn_threshold": 10}}
+    for run in ("a", "b"):
+        engine = _fit(plugins, tmp_path / run, task=MLPTask((3, 5, 7)))
+        records = [
+            (h["compile/recompiles"], h["compile/graph_breaks"]) for h in engine.history if "compile/recompiles" in h
+        ]
+        assert records == [(0, 0), (1, 0), (2, 0)], run
+    for run in ("c", "d"):
+        breaks_before = compile_counters()[1]
+        engine = _fit(plugins, tmp_path / run, task=Breaking((5, 5, 5)))
+        breaks = compile_counters()[1] - breaks_before
+        assert breaks > 0 and engine.history[-1]["compile/graph_breaks"] == breaks, run
+        assert engine.history[-1]["compile/recompiles"] == 0
 
 
 def test_compile_in_place_keeps_the_module():

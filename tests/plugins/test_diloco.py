@@ -92,6 +92,16 @@ def test_outer_steps_equal_a_reference_computed_by_hand(ranks, label, settings):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("label", ["nesterov", "nesterov_k3", "nesterov_ga", "sgd"])
+def test_after_the_fit_the_global_parameters_are_the_models_on_every_rank(ranks, label):
+    """Also when the fit ends between two synchronisations (nesterov_k3: 8 steps, K = 3): the last interval is
+    averaged and gets its outer step, so the plugin's global parameters are the model's, the same on both ranks."""
+    for result in ranks:
+        assert result[label]["outer_params"] == result[label]["final"]
+    assert ranks[0][label]["outer_params"] == ranks[1][label]["outer_params"]
+
+
+@pytest.mark.multiprocess
 def test_outer_lr_one_without_momentum_is_plain_averaging_bitwise(ranks):
     for result in ranks:
         assert result["unit"]["final"] == result["plain"]["final"]
