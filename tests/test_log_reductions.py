@@ -35,6 +35,35 @@ def test_each_reduction_over_a_logging_interval(tmp_path):
     ]
 
 
+@pytest.mark.multiprocess
+def test_each_reduction_over_two_processes(tmp_path):
+    """Rank r logs k + 100 r in its micro-batch k: over steps 1-2 and both ranks, mean (1+2+101+102)/4 = 51.5, sum
+    206, max 102, min 1, and last the main process's latest value, 2, on every rank; tensors and floats alike."""
+    ranks = torchrun("log_reductions_mp.py", tmp_path, nproc=2, timeout=120)
+    assert ranks[0] == ranks[1]
+    expected = [(2, 51.5, 206.0, 102.0, 1.0, 2.0), (4, 53.5, 214.0, 104.0, 3.0, 4.0)]
+    for kind in ("t", "f"):
+        got = [(r["step"], *(r[f"{kind}/{x}"] for x in ("mean", "sum", "max", "min", "last"))) for r in ranks[0]]
+        assert got == expected, kind
+
+
+def test_bf16_values_are_summed_in_float64(tmp_path):
+    """1, 1 and 1/256 in bf16: their mean is 0.66796875 exactly. Summed in bf16, 2 + 1/256 rounds to 2 (8 bits of
+    mantissa), giving 0.6666...; the buffer folds them in float64."""
+
+    class Bf16Logs(TinyTask):
+        def __init__(self) -> None:
+            super().__init__(n=12, batch_size=4, validate=False)  # 3 micro-batches
+            self.values = iter([1.0, 1.0, 1 / 256])
+
+        def training_step(self, batch, batch_idx):
+            self.log("b/mean", torch.tensor(next(self.values), dtype=torch.bfloat16))
+            return super().training_step(batch, batch_idx)
+
+    engine = tiny_fit(task=Bf16Logs(), output_dir=str(tmp_path), log_every_n_steps=3)
+    assert [r["b/mean"] for r in engine.history if "b/mean" in r] == [0.66796875]
+
+
 class MetricTask(TinyTask):
     """Logs a torchmetrics MeanAbsoluteError object updated by hand in validation_step."""
 
