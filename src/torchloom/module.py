@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchloom._export import MODEL_CARD
+from torchloom._export import MODEL_CARD, check_weight_files
 from torchloom._logging import log_to_active_run, request_stop
 from torchloom.errors import ConfigError
 
@@ -185,7 +185,8 @@ class TaskModule:
             `torch.nn.Module`: ``model``, with the saved weights.
 
         Raises:
-            ConfigError: ``directory`` holds no saved model (neither file), or the saved weights do not fit
+            ConfigError: ``directory`` holds no saved model (neither file), a weight file that is not safetensors,
+                damaged or truncated (named, before anything is loaded), or the saved weights do not fit
                 ``model``: a key that the model has and the file lacks (and that no loaded key shares its
                 tensor with), a key that the model lacks, or a shape that differs. ``model`` may then be
                 partly loaded.
@@ -201,6 +202,7 @@ class TaskModule:
                 " model.safetensors.index.json and its shards (what TaskModule.save_model writes), or a"
                 " .safetensors file"
             )
+        check_weight_files(path)  # a damaged file is named as such, not left to the loader's pickle advice
         where = f"the model saved in {os.fspath(directory)!r}"
         try:
             missing, unexpected = load_torch_model(model, path, strict=False)
