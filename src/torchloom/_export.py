@@ -229,8 +229,8 @@ def header_entries(file: Path) -> list[tuple[str, list[int], int]]:
         if key == "__metadata__":
             continue
         try:
-            start, stop = (int(n) for n in entry["data_offsets"])
-            entries.append((str(entry["dtype"]), [int(n) for n in entry["shape"]], stop - start))
+            begin, stop = (int(n) for n in entry["data_offsets"])
+            entries.append((str(entry["dtype"]), [int(n) for n in entry["shape"]], stop - begin))
         except (KeyError, TypeError, ValueError):
             raise ConfigError(
                 f"{shown!r} has a damaged safetensors header: tensor {key!r} is {entry!r:.80}; expected "
