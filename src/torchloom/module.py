@@ -175,7 +175,10 @@ class TaskModule:
         weights; ``model`` is the module `configure_model` builds (unprepared, on any device). Tied weights
         stay tied: a parameter that the file stores under another name it shares its tensor with (as
         `save_model` and ``save_pretrained`` store tied weights) is loaded through that name. It works for a
-        transformers model too, though ``from_pretrained(directory)`` is the usual way to load one.
+        transformers model too, though ``from_pretrained(directory)`` is the usual way to load one. Without
+        torchloom, ``safetensors.torch.load_model(model, "<directory>/model.safetensors")`` loads a one-file save
+        the same way (strict, ties restored); ``model.load_state_dict(safetensors.torch.load_file(...))`` does not
+        for tied weights: the file stores their tensor once, so the other name is reported missing.
 
         Args:
             model (`torch.nn.Module`): the module to load into, with the architecture that was saved.
