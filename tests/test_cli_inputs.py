@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -90,6 +91,130 @@ def test_plugin_setting_option_keeps_the_other_settings_of_the_file(tmp_path: Pa
     assert proc.returncode == 0, proc.stderr
     recorded = yaml.safe_load((tmp_path / "run" / "version_0" / "config.yaml").read_text())
     assert recorded["plugins"]["grad_accum"] == {"steps": 2, "normalization": "items"}
+
+
+# ------------------------------------------------------------- option values mean what they mean in a file
+
+MAPPING_DATA = """
+from typing import Any
+
+import torchloom
+
+
+class MappingData(torchloom.DataModule):
+    \"\"\"Takes a free-form mapping (as AudioClassificationData's feature_args), or a path in its place.\"\"\"
+
+    def __init__(self, options: dict[str, Any] | str | None = None, batch_size: int = 4):
+        self.options, self.batch_size = options, batch_size
+"""
+
+#: A value as written after ``KEY:`` in a file or after ``=`` on the command line -> what both mean.
+OPTION_VALUES = [
+    ("1e-3", 0.001),
+    ("-2.5E-4", -0.00025),
+    ("1e5", 100000.0),
+    ("3", 3),
+    ("-7", -7),
+    ("true", True),
+    ("no", False),
+    ("null", None),
+    ("~", None),
+    ("[1, 2e-3, null, x]", [1, 0.002, None, "x"]),
+    ("{a: 1e-5, b: [true]}", {"a": 1e-05, "b": [True]}),
+    ("2024-01-01", "2024-01-01"),
+    ("'1e-3'", "1e-3"),
+    ("hello", "hello"),
+]
+
+
+def parsed_run(monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
+    """The config ``torchloom fit ARGS`` would run (its ``fit`` section), parsed in this process; nothing runs."""
+    seen: dict[str, Any] = {}
+
+    def capture(parser: Any, cfg: Any, command: str, **options: Any) -> int:
+        seen["run"] = cfg[command]
+        return 0
+
+    monkeypatch.setattr(cli, "_run_command", capture)
+    assert cli.main(["fit", *args]) == 0
+    return seen["run"]
+
+
+@pytest.mark.parametrize(("text", "expected"), OPTION_VALUES, ids=[text for text, _ in OPTION_VALUES])
+def test_a_value_on_the_command_line_means_what_it_means_in_the_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, expected: object
+) -> None:
+    """A plugin setting and a key of a data's free-form mapping argument (``dict[str, Any]``) read a value as the
+    config file does, which is YAML: ``--plugins.optimizer.lr=1e-3`` is the float of ``lr: 1e-3``, ``null`` is
+    None, a list is a list."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mapping_data.py").write_text(MAPPING_DATA)
+    base = "task: {class_path: torchloom.testing.TinyTask}\ndata:\n  class_path: mapping_data.MappingData\n"
+    write_config(tmp_path, base, "base.yaml")
+    write_config(
+        tmp_path,
+        f"{base}  init_args:\n    options:\n      key: {text}\n"
+        f"plugins:\n  optimizer:\n    scheduler_kwargs:\n      key: {text}\n",
+        "file.yaml",
+    )
+    from_file = parsed_run(monkeypatch, "--config", "file.yaml")
+    options = [f"--plugins.optimizer.scheduler_kwargs.key={text}", f"--data.init_args.options.key={text}"]
+    on_the_line = parsed_run(monkeypatch, "--config", "base.yaml", *options)
+    for run in (from_file, on_the_line):
+        value = run.plugins["optimizer"]["scheduler_kwargs"]["key"]
+        assert value == expected and type(value) is type(expected), (run is on_the_line, value)
+    # jsonargparse reads a quoted string inside a file's dict[str, Any] as YAML once more ('1e-3' -> 0.001); a value
+    # on the command line is YAML, read once.
+    checked = (on_the_line,) if text.startswith("'") else (from_file, on_the_line)
+    for run in checked:
+        value = run.data.init_args.options["key"]
+        assert value == expected and type(value) is type(expected), (run is on_the_line, value)
+
+
+def test_plugin_and_mapping_options_read_e_notation_and_keep_the_other_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mapping_data.py").write_text(MAPPING_DATA)
+    config = {
+        **BASE,
+        "data": {"class_path": "mapping_data.MappingData", "init_args": {"options": {"inner": {"a": 1, "b": 2}}}},
+        "plugins": {"optimizer": {"name": "adamw"}},
+    }
+    write_config(tmp_path, config)
+    run = parsed_run(
+        monkeypatch,
+        "--config",
+        "config.yaml",
+        "--plugins.optimizer.lr=1e-3",  # the line of the report: rejected as the string '1e-3' before
+        "--plugins.optimizer.eps",
+        "1e-8",
+        "--data.init_args.options.inner.a=3e-1",  # a key under a key: its siblings stay
+        "--data.options.inner.c",  # without init_args, and the value after a space
+        "null",
+        "--data.init_args.batch_size=8",  # a typed argument: jsonargparse's
+    )
+    assert run.plugins["optimizer"] == {"name": "adamw", "lr": 0.001, "eps": 1e-08}
+    assert run.data.init_args.options == {"inner": {"a": 0.3, "b": 2, "c": None}}
+    assert run.data.init_args.batch_size == 8
+
+
+def test_a_mapping_option_on_an_argument_that_holds_no_mapping_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mapping_data.py").write_text(MAPPING_DATA)
+    write_config(
+        tmp_path, {**BASE, "data": {"class_path": "mapping_data.MappingData", "init_args": {"options": "opts.json"}}}
+    )
+    assert cli.main(["fit", "--config", "config.yaml", "--data.init_args.options.key=1", "--print_config"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "torchloom: error: --data.init_args.options.key: data.init_args.options = 'opts.json' is not a mapping, so "
+        "it has no key 'key'; set the whole value instead: --data.init_args.options='{key: ...}'\n"
+    )
+    assert cli.main(["fit", "--config", "config.yaml", "--data.init_args.options.key=[1", "--print_config"]) == 2
+    assert "--data.init_args.options.key: value '[1' is not valid YAML" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
 from importlib import metadata
@@ -425,6 +427,112 @@ def test_predict_reads_checkpoint_weights_saved_with_a_wrapper_prefix(fitted, tm
     torch.testing.assert_close(torch.cat(predictions), linear_outputs(weights), rtol=0, atol=0)
 
 
+# --------------------------------------------------------------------- a wrong path or a damaged weights file
+
+
+def damaged(good: bytes, kind: str) -> bytes:
+    """``good`` (a safetensors file) made into a file that is not one, or a damaged one, of ``kind``."""
+    (length,) = struct.unpack("<Q", good[:8])
+    header = good[8 : 8 + length]
+    return {
+        "text": b"hello, these are not weights\n",
+        "json": json.dumps({"weight": [[1.0, 2.0, 3.0, 4.0]], "bias": [0.0]}).encode(),
+        "pickle": b"\x80\x04\x95" + bytes(40),
+        "short": b"\x01\x02",
+        "bad json": good[:9] + b"x" + good[10:],
+        "bad entry": good[:8] + header.replace(b'"dtype"', b'"dtyp_"') + good[8 + length :],
+        "header cut": good[: 8 + length // 2],
+        "data cut": good[:-4],
+    }[kind]
+
+
+#: kind -> what the message says (a regular expression).
+DAMAGE = {
+    "text": r"is not a safetensors file: it starts with b'hello, these are', not with a header length and a JSON "
+    r"header \(a safetensors file is an 8-byte header length, a JSON header \(\{\.\.\.\}\), then the tensor data\)",
+    "json": r"is not a safetensors file: it starts with b'\{\"weight\": \[\[1\.0', not with a header length",
+    "pickle": r"is not a safetensors file: it starts with b'\\x80\\x04\\x95\\x00",
+    "short": r"is not a safetensors file: it holds 2 bytes, too few for a header",
+    "bad json": r"has a damaged safetensors header: its \d+-byte JSON header does not parse \(Expecting .* at byte 9\)",
+    "bad entry": r"has a damaged safetensors header: tensor '(weight|bias)' is \{.*\}; expected \{\"dtype\": \.\.\.",
+    "header cut": r"is truncated or its header is damaged: the header length says \d+ bytes, but the file holds \d+",
+    "data cut": r"is truncated: its tensors end at byte \d+, the file at \d+",
+}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_weights_file_is_named_with_what_is_wrong_by_every_reader(fitted, tmp_path, kind):
+    """inspect, predict and TaskModule.load_model read the header first: a file that is no safetensors is told so
+    (not "its header claims 8031924123371070824 bytes", nor the loader's advice to unpickle it with safe=False)."""
+    good = (fitted["run_dir"] / "model" / "model.safetensors").read_bytes()
+    file = tmp_path / "model" / "model.safetensors"
+    file.parent.mkdir()
+    file.write_bytes(damaged(good, kind))
+    for path in (file, file.parent):
+        shown = re.escape(repr(str(file)))
+        with pytest.raises(torchloom.ConfigError, match=f"^{shown} {DAMAGE[kind]}") as raised:
+            torchloom.inspect_path(path)
+        messages = [str(raised.value)]
+        with pytest.raises(torchloom.ConfigError, match=f"^{shown} {DAMAGE[kind]}") as raised:
+            torchloom.TaskModule.load_model(torch.nn.Linear(4, 1), path)
+        messages.append(str(raised.value))
+        predict = f"^predict: ckpt_path {re.escape(repr(str(path)))}: {shown} {DAMAGE[kind]}"
+        with pytest.raises(torchloom.ConfigError, match=predict) as raised:
+            torchloom.Engine(output_dir=str(tmp_path / "p")).predict(FrozenBiasTask(), predict_data(), ckpt_path=path)
+        messages.append(str(raised.value))
+        for message in messages:
+            assert "claims" not in message and "safe=False" not in message and "pickle" not in message, message
+    assert not (tmp_path / "p").exists()
+
+
+def test_each_command_says_what_its_path_should_be(fitted, tmp_path):
+    """predict's ckpt_path, fit's resume and inspect each name themselves and what the path may be; predict never
+    says "cannot resume" nor advises the checkpoint plugin, fit says why weights alone do not resume."""
+    notes, empty, missing = tmp_path / "notes.txt", tmp_path / "empty", tmp_path / "missing"
+    notes.write_text("not weights\n")
+    empty.mkdir()
+    weights = (
+        "expected a checkpoint (a directory with manifest.json), an exported model (a directory with "
+        "model.safetensors or model.safetensors.index.json, or one .safetensors file), a run directory (version_N, "
+        "with model/ or checkpoints/) or an output_dir whose runs have a checkpoint"
+    )
+    for path, problem in [
+        (notes, " is a file that holds no weights predict reads"),
+        (empty, " is a directory that holds no weights predict reads"),
+        (missing, ": no such file or directory"),
+    ]:
+        with pytest.raises(torchloom.TorchloomError) as raised:
+            torchloom.Engine(output_dir=str(tmp_path / "p")).predict(FrozenBiasTask(), predict_data(), ckpt_path=path)
+        assert str(raised.value) == f"predict: ckpt_path {str(path)!r}{problem}; {weights}"
+    checkpoints = (
+        "expected a checkpoint (a directory with manifest.json, as <run_dir>/checkpoints/step-00000040), a run "
+        "directory or an output_dir whose runs have one"
+    )
+    run_dir = tmp_path / "version_0"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("{}\n")
+    for path, problem in [
+        (notes, "it is a file, not a checkpoint directory"),
+        (empty, "the directory holds no complete checkpoint, nor runs that have one"),
+        (missing, "no such file or directory"),
+        (run_dir, "the run directory has no complete checkpoint (the 'checkpoint' plugin writes checkpoints/)"),
+    ]:
+        with pytest.raises(torchloom.CheckpointError) as raised:
+            torchloom.Engine(output_dir=str(tmp_path / "f")).fit(FrozenBiasTask(), ckpt_path=path)
+        assert str(raised.value) == f"cannot resume from {str(path)!r}: {problem}; {checkpoints}"
+    for path in (fitted["run_dir"] / "model", fitted["run_dir"] / "model" / "model.safetensors"):
+        with pytest.raises(torchloom.CheckpointError) as raised:
+            torchloom.Engine(output_dir=str(tmp_path / "f")).fit(FrozenBiasTask(), ckpt_path=path)
+        assert str(raised.value) == (
+            f"cannot resume from {str(path)!r}: it holds weights only (an exported model or a .safetensors file), "
+            f"and a resume also needs the optimizer, the counters and the data position; {checkpoints}. To start a "
+            "new fit from these weights, load them in configure_model (TaskModule.load_model)"
+        )
+    with pytest.raises(torchloom.ConfigError, match=r"^inspect: '.*notes\.txt' is not a checkpoint \(manifest"):
+        torchloom.inspect_path(notes)
+    assert not (tmp_path / "p").exists() and not (tmp_path / "f").exists()
+
+
 @pytest.mark.multiprocess
 def test_predict_on_one_process_from_a_checkpoint_two_ddp_processes_wrote(tmp_path):
     from torchrun_util import torchrun
@@ -563,7 +671,10 @@ def test_the_predict_command_uses_a_checkpoint_or_an_exported_model(project):
     before = set((root / "run").glob("version_*"))
     bad = run_cli("predict", "--config", "config.yaml", "--ckpt_path", "run/nope", cwd=root)
     assert bad.returncode == 2
-    assert bad.stderr == "torchloom: error: ckpt_path 'run/nope': no such file or directory\n"
+    assert bad.stderr.startswith(
+        "torchloom: error: predict: ckpt_path 'run/nope': no such file or directory; expected a "
+    )
+    assert bad.stderr.count("\n") == 1
     assert set((root / "run").glob("version_*")) == before
 
 

@@ -225,3 +225,41 @@ def test_a_launch_that_hangs_fails_and_leaves_no_process_behind(tmp_path):
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"{pid} still runs"
     assert os.getpid() not in pids
+
+
+def test_validate_and_predict_of_a_frozen_model_need_no_ddp_wrapper(tmp_path):
+    """A model with no trainable parameter validates and predicts on two processes as on one (DDP's constructor
+    refused it on both ranks), without a DDP wrapper; the model of the last fit (DDP-wrapped) still validates and
+    predicts; a fit of the frozen model stops before DDP with a TaskError naming the cause."""
+    import importlib.util
+
+    from torchrun_util import MP_DIR
+
+    spec = importlib.util.spec_from_file_location("frozen_eval", MP_DIR / "frozen_eval.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    single = script.run(tmp_path / "single")
+    r0, r1 = torchrun("frozen_eval.py", tmp_path / "two")
+    assert single["frozen"]["wrapped"] == r0["frozen"]["wrapped"] == r1["frozen"]["wrapped"] == ["Linear", "Linear"]
+    for r in (r0, r1):
+        assert r["frozen"]["val_loss"] == pytest.approx(single["frozen"]["val_loss"], rel=1e-6)
+        assert r["frozen"]["weights"] == single["frozen"]["weights"]
+    assert r0["frozen"]["predictions"] + r1["frozen"]["predictions"] == pytest.approx(
+        single["frozen"]["predictions"], rel=1e-6
+    )
+    assert len(single["frozen"]["predictions"]) == 6
+
+    ddp = "DistributedDataParallel"
+    assert r0["fitted"]["after_fit"] == r1["fitted"]["after_fit"] == ddp
+    assert r0["fitted"]["wrapped"] == r1["fitted"]["wrapped"] == [ddp, ddp]  # the fit's model, reused
+    assert r0["fitted"]["weights"] == r1["fitted"]["weights"]
+    assert r0["fitted"]["val_loss"] == pytest.approx(r1["fitted"]["val_loss"], rel=1e-6)
+    assert len(r0["fitted"]["predictions"] + r1["fitted"]["predictions"]) == 6
+
+    expected = (
+        "fit: the model of FrozenTask.configure_model() (Linear) has nothing to train: all 5 of its parameters "
+        "have requires_grad=False; unfreeze what should train (requires_grad_(True)), or evaluate the model with "
+        "validate or predict, which need no trainable parameter"
+    )
+    assert single["frozen_fit_error"] == r0["frozen_fit_error"] == r1["frozen_fit_error"] == expected
+    assert not list((tmp_path / "two" / "frozen_fit").glob("version_*"))  # refused before the run started

@@ -370,6 +370,28 @@ def test_configure_model_must_return_a_module(tmp_path, model):
         tiny_fit(task=Bad(), output_dir=str(tmp_path))
 
 
+class FrozenTask(TinyTask):
+    """TinyTask whose parameters are all frozen, as a model loaded for evaluation."""
+
+    def configure_model(self):
+        return super().configure_model().requires_grad_(False)
+
+
+def test_a_fit_of_a_model_with_nothing_to_train_stops_before_the_run_and_validate_works(tmp_path):
+    """One clear error before the optimizer or DDP sees the model (it was backward's "element 0 of tensors does not
+    require grad" on one process, DDP's constructor on several); validate and predict need no trainable parameter."""
+    with pytest.raises(torchloom.TaskError) as raised:
+        tiny_fit(task=FrozenTask(), output_dir=str(tmp_path / "fit"))
+    assert str(raised.value) == (
+        "fit: the model of FrozenTask.configure_model() (Linear) has nothing to train: all 5 of its parameters have "
+        "requires_grad=False; unfreeze what should train (requires_grad_(True)), or evaluate the model with validate "
+        "or predict, which need no trainable parameter"
+    )
+    assert not list((tmp_path / "fit").glob("version_*"))
+    metrics = torchloom.Engine(output_dir=str(tmp_path / "validate")).validate(FrozenTask())
+    assert metrics["val/loss"] > 0
+
+
 class AnswersOptimizers(torchloom.Plugin):
     def __init__(self, name: str) -> None:
         super().__init__()

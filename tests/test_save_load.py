@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,39 @@ def test_a_plain_module_with_tied_weights_reloads_with_the_tie_kept(tmp_path):
     assert_same_weights(fresh, trained)
     assert fresh.lm_head.weight is fresh.embed.weight
     assert fresh.lm_head.weight.data_ptr() == fresh.embed.weight.data_ptr()
+
+
+RUNS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "runs.md"
+DOCUMENTED_EXPORT = "runs/regression/version_2/model/model.safetensors"
+
+
+def documented_reload_without_torchloom() -> str:
+    """The block of docs/runs.md that reloads an export without torchloom, less the line that builds its model."""
+    blocks = re.findall(r"```python\n(.*?)```", RUNS_PAGE.read_text(), re.S)
+    (block,) = [b for b in blocks if b.startswith("# without torchloom")]
+    assert DOCUMENTED_EXPORT in block and "torchloom" not in block.replace("# without torchloom", "")
+    return "\n".join(line for line in block.splitlines() if not line.startswith("model = "))
+
+
+def test_the_documented_reload_without_torchloom_is_strict_and_keeps_the_tie(tmp_path):
+    """The call docs/runs.md shows runs, as shown, on a save_model export of a plain module with tied weights:
+    every key checked, the tie restored (``model.load_state_dict(safetensors.torch.load_file(...))`` fails here on
+    the key the file stores once)."""
+    trained = fit_and_save(TiedTask(), tmp_path)
+    file = tmp_path / "latest" / "model" / "model.safetensors"
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(file))) == {"embed.weight", "proj.weight", "proj.bias"}  # the tie stored once
+    with pytest.raises(RuntimeError, match="Missing key"):
+        TiedLM().load_state_dict(load_file(str(file)))  # why the page shows another call
+    namespace: dict[str, Any] = {"model": TiedLM()}
+    exec(documented_reload_without_torchloom().replace(DOCUMENTED_EXPORT, str(file)), namespace)
+    model = namespace["model"]
+    assert_same_weights(model, trained)
+    assert model.lm_head.weight is model.embed.weight
+    namespace = {"model": TiedLM(extra=True)}  # strict: a key the file lacks is an error
+    with pytest.raises(RuntimeError, match="extra"):
+        exec(documented_reload_without_torchloom().replace(DOCUMENTED_EXPORT, str(file)), namespace)
 
 
 def test_the_documented_task_pattern_loads_weights_in_configure_model(tmp_path):

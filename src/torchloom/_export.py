@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-from torchloom.checkpoint import MANIFEST, find_checkpoint, list_checkpoints, read_manifest, verify_files
+from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_files
 from torchloom.errors import CheckpointError, ConfigError
 
 __all__ = [
     "MODEL_CARD",
+    "check_weight_files",
+    "header_entries",
     "load_weights",
     "model_card",
     "parameter_counts",
@@ -159,7 +161,7 @@ def safetensors_summary(files: Iterable[Path], root: Path) -> dict[str, Any]:
     """
     summary: dict[str, Any] = {"files": [], "tensors": 0, "elements": 0, "bytes": 0, "dtypes": {}}
     for file in files:
-        for code, shape, nbytes in _header_entries(file):
+        for code, shape, nbytes in header_entries(file):
             name = _DTYPES.get(code, (code.lower(), 0))[0]
             elements = math.prod(shape)
             row = summary["dtypes"].setdefault(name, {"tensors": 0, "elements": 0, "bytes": 0})
@@ -171,29 +173,84 @@ def safetensors_summary(files: Iterable[Path], root: Path) -> dict[str, Any]:
     return summary
 
 
-def _header_entries(file: Path) -> list[tuple[str, list[int], int]]:
-    """``(dtype code, shape, bytes)`` of every tensor in a safetensors file, from its header."""
+#: What a safetensors file is, for the messages about a file that is not one.
+SAFETENSORS_LAYOUT = "a safetensors file is an 8-byte header length, a JSON header ({...}), then the tensor data"
+
+
+def header_entries(file: Path) -> list[tuple[str, list[int], int]]:
+    """``(dtype code, shape, bytes)`` of every tensor in a safetensors file, from its header only.
+
+    The file's form is checked in the order it is laid out: the 8-byte header length, a JSON header after it (a
+    file that is no safetensors at all, such as a text or a pickle, fails here, whatever its first 8 bytes say
+    as a length), the header's length against the file's, the header's entries, and where the tensors end.
+
+    Raises:
+        ConfigError: a file that is missing, unreadable, not safetensors, with a damaged header, or truncated;
+            one line naming the file and what is wrong.
+    """
+    shown = str(file)
     try:
         size = file.stat().st_size
         with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
+            head = f.read(9)
+            if len(head) < 9:
+                raise ConfigError(
+                    f"{shown!r} is not a safetensors file: it holds {size} bytes, too few for a header "
+                    f"({SAFETENSORS_LAYOUT})"
+                )
+            if head[8:9] != b"{":
+                start = head + f.read(7)
+                raise ConfigError(
+                    f"{shown!r} is not a safetensors file: it starts with {start!r}, not with a header length and a "
+                    f"JSON header ({SAFETENSORS_LAYOUT})"
+                )
+            (length,) = struct.unpack("<Q", head[:8])
             if length > size - 8:
-                raise ValueError(f"its header claims {length} bytes of a {size}-byte file")
-            header = json.loads(f.read(length))
-        entries, end = [], 0
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            start, stop = entry["data_offsets"]
-            entries.append((str(entry["dtype"]), [int(n) for n in entry["shape"]], int(stop) - int(start)))
-            end = max(end, int(stop))
+                raise ConfigError(
+                    f"{shown!r} is truncated or its header is damaged: the header length says {length} bytes, but "
+                    f"the file holds {size - 8} after it"
+                )
+            text = head[8:] + f.read(length - 1) if length else b""
     except FileNotFoundError:
-        raise ConfigError(f"weights file {str(file)!r} is missing") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
-        raise ConfigError(f"{str(file)!r} is not a readable safetensors file ({exc})") from None
+        raise ConfigError(f"weights file {shown!r} is missing") from None
+    except OSError as exc:
+        raise ConfigError(f"weights file {shown!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(text)
+    except ValueError as exc:
+        problem = f"{exc.msg} at byte {8 + exc.pos}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise ConfigError(
+            f"{shown!r} has a damaged safetensors header: its {length}-byte JSON header does not parse ({problem})"
+        ) from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{shown!r} has a damaged safetensors header: it holds {header!r:.60}, not a JSON object")
+    entries, end = [], 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(n) for n in entry["data_offsets"])
+            entries.append((str(entry["dtype"]), [int(n) for n in entry["shape"]], stop - begin))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(
+                f"{shown!r} has a damaged safetensors header: tensor {key!r} is {entry!r:.80}; expected "
+                '{"dtype": ..., "shape": [...], "data_offsets": [start, end]}'
+            ) from None
+        end = max(end, stop)
     if 8 + length + end > size:
-        raise ConfigError(f"{str(file)!r} is truncated: its tensors end at byte {8 + length + end}, the file at {size}")
+        raise ConfigError(f"{shown!r} is truncated: its tensors end at byte {8 + length + end}, the file at {size}")
     return entries
+
+
+def check_weight_files(path: Path) -> None:
+    """Read the header of every weight file of an exported model (a directory, or one ``.safetensors`` file),
+    so that a damaged file is reported as such before a loader reads it (`header_entries`).
+
+    Raises:
+        ConfigError: see `header_entries`; an index that cannot be read.
+    """
+    for file in weight_files(path) if path.is_dir() else [path]:
+        header_entries(file)
 
 
 # ------------------------------------------------------------------------------------------ loading weights
@@ -211,38 +268,61 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints"))
 
 
+#: What ``predict``'s ``ckpt_path`` may name, for its messages.
+PREDICT_WEIGHTS = (
+    "a checkpoint (a directory with manifest.json), an exported model (a directory with model.safetensors or "
+    "model.safetensors.index.json, or one .safetensors file), a run directory (version_N, with model/ or "
+    "checkpoints/) or an output_dir whose runs have a checkpoint"
+)
+
+
 def resolve_weights(path: str | os.PathLike[str]) -> tuple[str, str]:
     """Resolve ``predict``'s ``ckpt_path`` to ``("checkpoint" | "model", path)``.
 
     - a checkpoint directory (with ``manifest.json``): itself, its files checked against the manifest;
-    - an exported model (``model.safetensors`` or ``model.safetensors.index.json``), or a ``.safetensors`` file;
+    - an exported model (``model.safetensors`` or ``model.safetensors.index.json``), or a ``.safetensors`` file:
+      itself, the header of each weight file checked (`header_entries`);
     - a run directory: its ``model/`` when the fit saved one (the final weights), else its latest checkpoint;
-    - otherwise (an ``output_dir``): the latest checkpoint of its latest run that has one (`find_checkpoint`).
+    - otherwise (an ``output_dir``): the latest checkpoint of its latest run that has one.
 
     Raises:
-        ConfigError: ``path`` does not exist.
+        ConfigError: ``path`` does not exist; an exported model whose weight files are not safetensors, damaged
+            or truncated.
         CheckpointError: no weights there; an incomplete checkpoint or one whose files changed since it was saved.
+        Each message begins with ``predict: ckpt_path`` and says what the path may name (`PREDICT_WEIGHTS`).
     """
-    root = Path(path)
+    root, shown = Path(path), os.fspath(path)
     if not root.exists():
-        raise ConfigError(f"ckpt_path {os.fspath(path)!r}: no such file or directory")
-    if is_exported_model(root):
-        return "model", str(root)
-    if is_run_dir(root) and not (root / MANIFEST).is_file():
-        if is_exported_model(root / "model"):
-            return "model", str(root / "model")
+        raise ConfigError(f"predict: ckpt_path {shown!r}: no such file or directory; expected {PREDICT_WEIGHTS}")
+    for model in (root, root / "model") if is_run_dir(root) else (root,):
+        if is_exported_model(model) and not (root / MANIFEST).is_file():
+            try:
+                check_weight_files(model)
+            except ConfigError as exc:
+                raise ConfigError(f"predict: ckpt_path {shown!r}: {exc}") from None
+            return "model", str(model)
+    if (root / MANIFEST).is_file():
+        checkpoint = root
+    elif is_run_dir(root):
         found = list_checkpoints(root)
         if not found:
             raise CheckpointError(
-                f"ckpt_path {str(root)!r}: the run directory holds neither a saved model (model/, written with "
-                "save_model: true) nor a complete checkpoint"
+                f"predict: ckpt_path {shown!r}: the run directory holds neither a saved model (model/, written with "
+                "save_model: true) nor a complete checkpoint (checkpoints/, written by the 'checkpoint' plugin)"
             )
-        root = Path(found[-1])
+        checkpoint = Path(found[-1])
     else:
-        root = Path(find_checkpoint(root))
-    manifest = read_manifest(root)
-    verify_files(root, manifest)  # nothing planted or changed since the checkpoint was written
-    return "checkpoint", str(root)
+        found = list_checkpoints(root) if root.is_dir() else []
+        if not found:
+            kind = "a directory" if root.is_dir() else "a file"
+            raise CheckpointError(
+                f"predict: ckpt_path {shown!r} is {kind} that holds no weights predict reads; expected "
+                f"{PREDICT_WEIGHTS}"
+            )
+        checkpoint = Path(found[-1])
+    manifest = read_manifest(checkpoint)
+    verify_files(checkpoint, manifest)  # nothing planted or changed since the checkpoint was written
+    return "checkpoint", str(checkpoint)
 
 
 def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:

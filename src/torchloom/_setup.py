@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from torchloom._guards import (
     check_model,
@@ -23,7 +23,7 @@ from torchloom._guards import (
 )
 from torchloom._runfiles import start_run_files
 from torchloom.config import EngineConfig
-from torchloom.errors import ConfigError, PluginError
+from torchloom.errors import ConfigError, PluginError, TaskError
 from torchloom.module import TaskModule
 from torchloom.plugins import HookRelay
 
@@ -66,7 +66,8 @@ def prepare_run(
     Raises:
         ConfigError: missing or empty training data, validation data without ``validation_step``, a
             ``val_check_interval`` the fit never reaches.
-        TaskError: ``configure_model`` / ``configure_optimizers`` returned something that cannot be trained.
+        TaskError: ``configure_model`` / ``configure_optimizers`` returned something that cannot be trained (``fit``:
+            a model with no trainable parameter, checked before the optimizer is built).
         PluginError: two plugins answered ``configure_optimizers``.
     """
     if config.seed is not None:
@@ -85,6 +86,7 @@ def prepare_run(
 
     optimizer = scheduler = None
     if stage == "fit":
+        _check_trainable(model, task)
         train_mode_unless_chosen(model)
         task.num_training_steps = steps = _num_training_steps(config, train_dl, accelerator)
         interval = config.val_check_interval
@@ -100,13 +102,51 @@ def prepare_run(
         # (Accelerate would step it num_processes times per call). Checkpoints keep its state as JSON
         # (torchloom.checkpoint), not as a custom object of Accelerate's, which would be unpickled on load.
     else:
-        model = accelerator.prepare(model)
+        model = _prepare_for_evaluation(accelerator, model)
     val_dl = accelerator.prepare(val_dl) if val_dl is not None else None
     predict_dl = accelerator.prepare(predict_dl) if predict_dl is not None else None
     task.model = model
     if accelerator.is_main_process:
         start_run_files(run_dir, run_config)
     return Run(accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl, run_dir)
+
+
+#: Set-ups whose wrapper holds (shards) the weights: ``validate`` / ``predict`` prepare the model in full there.
+_SHARDED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
+
+
+def _prepare_for_evaluation(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """``validate`` / ``predict``: the model on its device, with the run's mixed precision and ``torch.compile``,
+    and no ``DistributedDataParallel`` wrapper, which only all-reduces gradients (none are computed here) and
+    refuses a model with no trainable parameter (a frozen model, as loaded for evaluation). Where the wrapper holds
+    the weights (FSDP, DeepSpeed, Megatron-LM, XLA, tensor or context parallelism, fp8 conversion) the model is
+    prepared in full, as for a fit."""
+    config = getattr(accelerator, "parallelism_config", None)
+    parallel = config is not None and (config.tp_enabled or config.cp_enabled)
+    if accelerator.distributed_type in _SHARDED or parallel or accelerator.mixed_precision == "fp8":
+        return accelerator.prepare(model)
+    return accelerator.prepare_model(model, evaluation_mode=True)
+
+
+def _check_trainable(model: torch.nn.Module, task: TaskModule) -> None:
+    """Raise before anything is prepared if ``fit`` has nothing to train.
+
+    Raises:
+        TaskError: every parameter of ``model`` has ``requires_grad=False`` (or it has none).
+    """
+    params = list(model.parameters())
+    if any(p.requires_grad for p in params):
+        return
+    frozen = (
+        f"all {sum(p.numel() for p in params):,} of its parameters have requires_grad=False"
+        if params
+        else ("it has no parameters")
+    )
+    raise TaskError(
+        f"fit: the model of {type(task).__name__}.configure_model() ({type(model).__name__}) has nothing to train: "
+        f"{frozen}; unfreeze what should train (requires_grad_(True)), or evaluate the model with validate or "
+        "predict, which need no trainable parameter"
+    )
 
 
 def reuse_run(

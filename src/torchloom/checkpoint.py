@@ -362,7 +362,8 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[str]:
 
 
 def find_checkpoint(path: str | os.PathLike[str]) -> str:
-    """Resolve what ``--resume`` / ``ckpt_path`` names to one checkpoint directory.
+    """Resolve what ``fit``'s ``--resume`` / ``ckpt_path`` names to one checkpoint directory (its messages say
+    "cannot resume"; ``predict``'s ``ckpt_path`` is resolved by ``torchloom._export.resolve_weights``).
 
     Args:
         path (`str` or `os.PathLike`): a checkpoint directory; a run directory (its latest checkpoint); or an
@@ -374,14 +375,29 @@ def find_checkpoint(path: str | os.PathLike[str]) -> str:
     root = Path(path)
     if (root / MANIFEST).is_file():
         return str(root)
+    expected = (
+        f"expected a checkpoint (a directory with {MANIFEST}, as <run_dir>/{CHECKPOINTS_DIR}/step-00000040), a run "
+        "directory or an output_dir whose runs have one"
+    )
     if not root.exists():
-        raise CheckpointError(f"cannot resume from {str(root)!r}: no such file or directory")
-    found = list_checkpoints(root)
+        raise CheckpointError(f"cannot resume from {str(root)!r}: no such file or directory; {expected}")
+    found = list_checkpoints(root) if root.is_dir() else []
     if not found:
-        raise CheckpointError(
-            f"cannot resume from {str(root)!r}: it holds no complete checkpoint (a directory with {MANIFEST}, "
-            f"in <run_dir>/{CHECKPOINTS_DIR}/); enable the 'checkpoint' plugin to write them"
-        )
+        if root.suffix == ".safetensors" or (root / "model.safetensors").is_file():
+            raise CheckpointError(
+                f"cannot resume from {str(root)!r}: it holds weights only (an exported model or a .safetensors "
+                f"file), and a resume also needs the optimizer, the counters and the data position; {expected}. To "
+                "start a new fit from these weights, load them in configure_model (TaskModule.load_model)"
+            )
+        if not root.is_dir():
+            problem = "it is a file, not a checkpoint directory"
+        elif any((root / name).exists() for name in ("config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)):
+            problem = (
+                f"the run directory has no complete checkpoint (the 'checkpoint' plugin writes {CHECKPOINTS_DIR}/)"
+            )
+        else:
+            problem = "the directory holds no complete checkpoint, nor runs that have one"
+        raise CheckpointError(f"cannot resume from {str(root)!r}: {problem}; {expected}")
     return found[-1]
 
 

@@ -15,9 +15,13 @@ subclass + ``init_args``), ``data`` (same for a `DataModule`, optional) and ``pl
 (``name: {settings}``). Every command that reads a config (``fit``, ``validate``, ``predict``, ``--print_config``,
 ``plugins --config``) reads it with `_load_run_config`, so all of them accept and reject the same files. The
 ``plugins`` section is read by this module, not by jsonargparse: ``--plugins.NAME.SETTING=VALUE`` changes one
-setting and keeps the others. The directory of the ``--config`` file (and the working directory) go on
-``sys.path`` *after* the installed packages, so tasks defined next to it import by module name but a file there
-cannot shadow a library; a ``class_path`` imports (runs) the module it names.
+setting and keeps the others. So is every option that sets one key of a free-form mapping argument of the task or the
+data (``--data.init_args.feature_args.f_min=1e-3``, for an argument typed ``dict[str, Any]``): it changes that key and
+keeps the others. Both kinds of values are read as the config file reads its values (`_ConfigLoader`: YAML, with
+``1e-3`` a float), and both are applied after the config files and the other options. The directory of the
+``--config`` file (and the working directory) go on ``sys.path`` *after* the installed packages, so tasks defined
+next to it import by module name but a file there cannot shadow a library; a ``class_path`` imports (runs) the module
+it names.
     torchloom fit --config run.yaml --resume [PATH]                       # continue from the latest checkpoint
 
 Errors caused by bad input print one line and exit with status 2; no traceback. A fit stopped by SIGTERM or
@@ -32,11 +36,16 @@ them with `torchloom.installed_plugins`; ``tests/test_cli_public_api.py`` checks
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib
+import inspect
 import json
 import os
 import re
 import sys
+import types
+import typing
 import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from importlib import metadata
@@ -234,13 +243,23 @@ def _take_cli_options(argv: list[str], start: int) -> tuple[list[str], list[tupl
             text = following
         if any(not part for part in key.split(".")) and key:
             raise ConfigError(f"{option}: empty name in the option; expected {_option_example(key)}")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"{option}: value {text!r} is not valid YAML ({problem})") from None
-        options.append((key, value))
+        options.append((key, _option_value(option, text)))
     return rest, options, print_flags
+
+
+def _option_value(option: str, text: str) -> Any:
+    """The value of a command-line option that torchloom reads itself, read as the config file reads its values.
+
+    Raises:
+        ConfigError: ``text`` is not valid YAML.
+    """
+    try:
+        return yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader
+    except _DuplicateKey as dup:
+        raise ConfigError(f"{option}: value {text!r} repeats the key {dup.key!r}; keep one") from None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{option}: value {text!r} is not valid YAML ({problem})") from None
 
 
 def _take_resume_options(argv: list[str], command: str) -> tuple[list[str], dict[str, Any]]:
@@ -308,10 +327,123 @@ def _load_run_config(
     """
     for path in _config_paths(argv):
         _read_config_file(path)
+    argv, mapping_options = _take_mapping_options(parser, argv, command)
     cfg = parser.parse_args(argv)
     run = cfg[command]
+    _apply_mapping_options(run, mapping_options)
     run.plugins = _merge_plugin_options(_plugin_section(run.plugins, "plugins"), plugin_options)
     return cfg, _checked_engine(run)
+
+
+#: The sections of a run config that name a class (``class_path`` + ``init_args``), whose free-form mapping
+#: arguments take ``--SECTION.init_args.ARGUMENT.KEY=VALUE`` options read by this module.
+CLASS_SECTIONS = ("task", "data")
+
+
+def _take_mapping_options(
+    parser: Any, argv: list[str], command: str
+) -> tuple[list[str], list[tuple[str, str, list[str], Any]]]:
+    """Take the options that set one key of a free-form mapping argument of the task or the data out of ``argv``.
+
+    jsonargparse reads such an option (``--data.init_args.feature_args.f_min=1e-3`` for an argument typed
+    ``dict[str, Any]``) otherwise than it reads the same value in a file (``null`` becomes the string ``'None'``,
+    quotes are kept, a key under a key becomes a string and replaces its siblings), so this module reads them as
+    it reads ``--plugins.NAME.SETTING=VALUE``. Which arguments are free-form mappings is known once the classes
+    are: with such options present, ``argv`` without them is parsed once first to find the classes.
+
+    Returns:
+        The other arguments, and each mapping option in order as ``(option, section, [argument, key, ...],
+        value)``, the value read as the config file reads values (`_option_value`).
+
+    Raises:
+        ConfigError: such an option without a value, or with a value that is not YAML.
+    """
+    start = argv.index(command) + 1 if command in argv else 0
+    candidates: list[tuple[int, int, str, str, list[str], str]] = []  # first index, count, option, section, path, text
+    i = start
+    while i < len(argv):
+        option, has_value, text = argv[i].partition("=")
+        section, _, rest = option.removeprefix("--").partition(".")
+        path = rest.removeprefix("init_args.").split(".")
+        count = 1
+        mapping_key = len(path) >= 2 and all(path) and path[0] not in ("class_path", "init_args", "dict_kwargs")
+        if option.startswith("--") and section in CLASS_SECTIONS and mapping_key:
+            if not has_value:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{option}: expected a value, e.g. {option}=VALUE")
+                text, count = argv[i + 1], 2
+            candidates.append((i, count, option, section, path, text))
+        i += count
+    if not candidates:
+        return argv, []
+    taken = {j for first, count, *_ in candidates for j in range(first, first + count)}
+    classes = parser.parse_args([a for j, a in enumerate(argv) if j not in taken])[command]
+    options, kept = [], set[int]()
+    for first, count, option, section, path, text in candidates:
+        spec = classes[section]
+        cls = _import_class(spec.class_path) if spec is not None and spec.get("class_path") else None
+        if cls is not None and _free_form_mapping_argument(cls, path[0]):
+            options.append((option, section, path, _option_value(option, text)))
+        else:  # another kind of argument (a nested class, a typed mapping): jsonargparse reads it
+            kept.update(range(first, first + count))
+    return [a for j, a in enumerate(argv) if j not in taken or j in kept], options
+
+
+def _import_class(class_path: str) -> type | None:
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def _free_form_mapping_argument(cls: type, name: str) -> bool:
+    """Whether ``cls(name=...)`` takes a free-form mapping: ``dict``, ``dict[str, Any]``, ``Mapping[str, Any]``,
+    or a union with one of them (``dict[str, Any] | str | None``); searched up the classes whose ``__init__`` passes
+    ``**kwargs`` on, as jsonargparse does."""
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters
+        except (TypeError, ValueError):
+            return False
+        if name in parameters:
+            try:
+                hint = typing.get_type_hints(init).get(name)
+            except Exception:  # an annotation that does not resolve: jsonargparse reports it
+                return False
+            return _is_free_form_mapping(hint)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return False
+    return False
+
+
+def _is_free_form_mapping(hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_free_form_mapping(arg) for arg in typing.get_args(hint))
+    if (origin or hint) not in (dict, Mapping, MutableMapping):
+        return False
+    args = typing.get_args(hint)
+    return not args or args[1] in (Any, object)
+
+
+def _apply_mapping_options(run: Any, options: Sequence[tuple[str, str, list[str], Any]]) -> None:
+    """Set each key that `_take_mapping_options` took, in order, keeping the mapping's other keys."""
+    for option, section, (argument, *path), value in options:
+        init_args = run[section].init_args
+        current = init_args.get(argument)
+        if current is not None and not isinstance(current, Mapping):
+            raise ConfigError(
+                f"{option}: {section}.init_args.{argument} = {current!r} is not a mapping, so it has no key "
+                f"{path[0]!r}; set the whole value instead: --{section}.init_args.{argument}='{{{path[0]}: ...}}'"
+            )
+        mapping = copy.deepcopy(dict(current or {}))
+        _set_key(mapping, path, value, option, f"{section}.init_args.{argument}")
+        init_args[argument] = mapping
 
 
 def _config_paths(argv: Sequence[str]) -> list[str]:
@@ -324,8 +456,15 @@ def _config_paths(argv: Sequence[str]) -> list[str]:
     return paths
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader, with a key that appears twice in one mapping an error (PyYAML keeps the last)."""
+class _ConfigLoader(yaml.SafeLoader):
+    """How torchloom reads a config file and the option values it reads itself: YAML's safe loader with the two
+    changes jsonargparse (which reads the files' values) makes to it, so that a value means the same in a file and
+    on the command line, and with a key that appears twice in one mapping an error (PyYAML keeps the last).
+
+    The changes: a number in e-notation is a float with or without a dot (``1e-3``, ``1E5``; PyYAML reads them as
+    strings), and a date stays a string (``2024-01-01``). ``tests/test_cli_inputs.py`` checks that the command
+    line and a file agree on every kind of value.
+    """
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         if isinstance(node, yaml.MappingNode):
@@ -342,6 +481,28 @@ class _StrictLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: PyYAML reports it itself
                     continue
         return super().construct_mapping(node, deep=deep)
+
+
+def _as_jsonargparse_reads(loader: type[yaml.SafeLoader]) -> None:
+    """Give ``loader`` the float and timestamp rules of jsonargparse's YAML loader (see `_ConfigLoader`)."""
+    loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_FLOAT, _TIMESTAMP)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    loader.add_implicit_resolver(_FLOAT, _FLOAT_PATTERN, list("-+0123456789."))
+
+
+_FLOAT, _TIMESTAMP = "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"
+_FLOAT_PATTERN = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_as_jsonargparse_reads(_ConfigLoader)
 
 
 class _DuplicateKey(Exception):
@@ -365,7 +526,7 @@ def _read_config_file(path: str) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"config {path!r}: not a UTF-8 text file ({exc.reason})") from None
     try:
-        config = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
+        config = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader
     except _DuplicateKey as dup:
         raise ConfigError(
             f"config {path!r}: key {dup.key!r} appears twice (lines {dup.first} and {dup.second}); keep one"
@@ -467,16 +628,23 @@ def _merge_plugin_options(section: dict[str, Any], options: Sequence[tuple[str, 
         settings = section.get(name)
         if settings is None:
             settings = section[name] = {}
-        for i, part in enumerate(path[:-1]):
-            inner = settings.setdefault(part, {})
-            if not isinstance(inner, dict):
-                where = ".".join([name, *path[: i + 1]])
-                raise ConfigError(
-                    f"{option}: plugins.{where} = {inner!r} is not a mapping, so it has no key {path[i + 1]!r}"
-                )
-            settings = inner
-        settings[path[-1]] = value
+        _set_key(settings, path, value, option, f"plugins.{name}")
     return section
+
+
+def _set_key(mapping: dict[str, Any], path: Sequence[str], value: Any, option: str, where: str) -> None:
+    """``mapping[path[0]][path[1]]... = value``, creating the mappings on the way.
+
+    Raises:
+        ConfigError: a key on the way holds something other than a mapping (``where`` names ``mapping``).
+    """
+    for i, part in enumerate(path[:-1]):
+        inner = mapping.setdefault(part, {})
+        if not isinstance(inner, dict):
+            inside = ".".join([where, *path[: i + 1]])
+            raise ConfigError(f"{option}: {inside} = {inner!r} is not a mapping, so it has no key {path[i + 1]!r}")
+        mapping = inner
+    mapping[path[-1]] = value
 
 
 def _checked_engine(run: Any) -> Any:

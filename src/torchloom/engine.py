@@ -448,9 +448,10 @@ class Engine:
                 (its latest checkpoint). Only safetensors are read. ``weights_from`` then holds what was loaded.
 
         Raises:
-            ConfigError: no prediction data; ``ckpt_path`` does not exist, or an exported model that does not fit.
-            CheckpointError: ``ckpt_path`` holds no weights, a checkpoint changed since it was written, or weights
-                that do not fit the model (keys or shapes).
+            ConfigError: no prediction data; ``ckpt_path`` does not exist, an exported model whose weight files are
+                not safetensors or are damaged (named before anything loads), or one that does not fit.
+            CheckpointError: ``ckpt_path`` holds no weights (the message says what it may name), a checkpoint
+                changed since it was written, or weights that do not fit the model (keys or shapes).
         """
         from torchloom._export import load_weights, resolve_weights
 

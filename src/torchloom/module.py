@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchloom._export import MODEL_CARD
+from torchloom._export import MODEL_CARD, check_weight_files
 from torchloom._logging import log_to_active_run, request_stop
 from torchloom.errors import ConfigError
 
@@ -175,7 +175,10 @@ class TaskModule:
         weights; ``model`` is the module `configure_model` builds (unprepared, on any device). Tied weights
         stay tied: a parameter that the file stores under another name it shares its tensor with (as
         `save_model` and ``save_pretrained`` store tied weights) is loaded through that name. It works for a
-        transformers model too, though ``from_pretrained(directory)`` is the usual way to load one.
+        transformers model too, though ``from_pretrained(directory)`` is the usual way to load one. Without
+        torchloom, ``safetensors.torch.load_model(model, "<directory>/model.safetensors")`` loads a one-file save
+        the same way (strict, ties restored); ``model.load_state_dict(safetensors.torch.load_file(...))`` does not
+        for tied weights: the file stores their tensor once, so the other name is reported missing.
 
         Args:
             model (`torch.nn.Module`): the module to load into, with the architecture that was saved.
@@ -185,7 +188,8 @@ class TaskModule:
             `torch.nn.Module`: ``model``, with the saved weights.
 
         Raises:
-            ConfigError: ``directory`` holds no saved model (neither file), or the saved weights do not fit
+            ConfigError: ``directory`` holds no saved model (neither file), a weight file that is not safetensors,
+                damaged or truncated (named, before anything is loaded), or the saved weights do not fit
                 ``model``: a key that the model has and the file lacks (and that no loaded key shares its
                 tensor with), a key that the model lacks, or a shape that differs. ``model`` may then be
                 partly loaded.
@@ -201,6 +205,7 @@ class TaskModule:
                 " model.safetensors.index.json and its shards (what TaskModule.save_model writes), or a"
                 " .safetensors file"
             )
+        check_weight_files(path)  # a damaged file is named as such, not left to the loader's pickle advice
         where = f"the model saved in {os.fspath(directory)!r}"
         try:
             missing, unexpected = load_torch_model(model, path, strict=False)
