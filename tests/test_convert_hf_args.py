@@ -376,6 +376,18 @@ def test_max_steps_overrides_epochs_and_fractions_become_steps(tmp_path):
     settings_objects(conversion)
 
 
+@pytest.mark.parametrize(("eval_steps", "expected"), [(0, 7), (None, 7), (1, 1), (13, 13)])
+def test_eval_steps_0_or_unset_falls_back_to_logging_steps_as_the_trainer_does(tmp_path, eval_steps, expected):
+    """TrainingArguments.__post_init__ sets eval_steps to logging_steps when it is 0 or None under eval_strategy
+    'steps'; a JSON file written by hand can still hold 0, and the converter reads it the same way."""
+    args = json.loads(training_args(tmp_path, eval_strategy="steps", eval_steps=5, logging_steps=7).to_json_string())
+    args["eval_steps"] = eval_steps
+    conversion = torchloom.convert_hf_args(saved(tmp_path, args))
+    assert conversion.engine["val_check_interval"] == expected
+    if eval_steps in (0, None):
+        assert training_args(tmp_path, eval_strategy="steps", eval_steps=eval_steps, logging_steps=7).eval_steps == 7
+
+
 def test_fractions_without_max_steps_are_reported(tmp_path):
     conversion = convert(tmp_path, eval_strategy="steps", eval_steps=0.1, save_steps=0.25)
     reasons = remarks(conversion.not_converted)
@@ -432,6 +444,8 @@ def test_warmup_and_schedule_match_the_trainer(tmp_path):
     for kwargs in (
         {"lr_scheduler_type": "cosine", "warmup_steps": 0.1},
         {"lr_scheduler_type": "linear", "warmup_steps": 7},
+        {"lr_scheduler_type": "linear", "warmup_steps": 1},  # a step count at the boundary, not a ratio of 1
+        {"lr_scheduler_type": "linear", "warmup_steps": 0.999},  # just below it: a ratio
         {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}, "warmup_steps": 0.2},
     ):
         args = training_args(tmp_path, learning_rate=1e-3, **kwargs)

@@ -256,6 +256,42 @@ def test_any_module_with_a_forward_function(checkpointing):
     assert abs(est.row("adamw", checkpointing).activations - measured) <= REL_TOL * measured
 
 
+def test_frozen_parameters_have_no_gradient_and_no_optimizer_state():
+    """The first block and the head frozen: gradients and AdamW's state count the trainable parameters only; the
+    weights count all of them."""
+    model = ResidualMLP()
+    for module in (model.blocks[0], model.head):
+        module.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    est = torchloom.estimate_memory(model, batch_size=8, forward=mlp_loss, grad_checkpoint=False, optimizers="adamw")
+    row = est.rows[0]
+    assert est.trainable_parameters == sum(p.numel() for p in trainable) < est.parameters
+    assert row.weights == sum(p.nbytes for p in model.parameters())
+    assert row.gradients == sum(p.nbytes for p in trainable)
+    # exp_avg and exp_avg_sq (float32), and a float32 step per tensor, for the trainable tensors only
+    assert row.optimizer_state == 2 * sum(p.nbytes for p in trainable) + 4 * len(trainable)
+
+
+def test_a_budget_that_a_micro_batch_fits_exactly_suggests_it():
+    """The budget is exactly the total at micro-batch 4 (a divisor of 16): 4 is suggested; a byte less gives 2; the
+    exact total at micro-batch 1 still suggests 1."""
+    model = ResidualMLP()
+
+    def total(batch_size: int) -> int:
+        est = torchloom.estimate_memory(model, batch_size=batch_size, forward=mlp_loss, grad_checkpoint=False)
+        return est.rows[0].total
+
+    exact = total(4)
+    assert total(2) < exact < total(8)
+    for budget, micro_batch in ((exact, 4), (exact - 1, 2), (total(8) - 1, 4), (total(8), 8), (total(1), 1)):
+        est = torchloom.estimate_memory(
+            model, batch_size=1, forward=mlp_loss, grad_checkpoint=False, budget=budget, effective_batch_size=16
+        )
+        s = est.rows[0].suggestion
+        assert s is not None and (s.micro_batch_size, s.gradient_accumulation_steps) == (micro_batch, 16 // micro_batch)
+        assert s.total == total(micro_batch) <= budget
+
+
 # ----------------------------------------------------------------------------------------------- the command
 
 
