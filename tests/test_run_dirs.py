@@ -234,3 +234,17 @@ def test_on_run_start_names_the_run_directory_and_its_config_for_every_stage(tmp
     assert [s[0] for s in seen] == ["fit", "validate", "predict"]
     assert [s[1] for s in seen] == [str(tmp_path / f"version_{i}") for i in range(3)]
     assert all(project == logging == run_dir for _, run_dir, _, project, logging in seen)
+
+
+def test_run_directories_are_ordered_by_number_wherever_they_are_listed(tmp_path):
+    """version_10 comes after version_9 (not between version_1 and version_2) for the next run's number, for the
+    latest checkpoint (tests/plugins/test_checkpoint.py) and in inspect's hint."""
+    from torchloom._layout import run_directories
+
+    for n in (10, 2, 9, 1):
+        (tmp_path / f"version_{n}").mkdir()
+    (tmp_path / "version_x").mkdir()
+    (tmp_path / "version_3").write_text("a file")
+    assert [p.name for p in run_directories(tmp_path)] == ["version_1", "version_2", "version_9", "version_10"]
+    with pytest.raises(torchloom.ConfigError, match=r"it holds runs \(version_1, version_2, version_9, \.\.\.\)"):
+        torchloom.inspect_path(tmp_path)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchloom._layout import is_run_dir
 from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_files
 from torchloom.errors import CheckpointError, ConfigError
 
@@ -261,11 +262,6 @@ def is_exported_model(path: Path) -> bool:
     if path.is_file():
         return path.suffix == ".safetensors"
     return (path / "model.safetensors").is_file() or (path / WEIGHTS_INDEX).is_file()
-
-
-def is_run_dir(path: Path) -> bool:
-    """Whether ``path`` looks like a run directory (``<output_dir>/version_N``)."""
-    return path.is_dir() and any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints"))
 
 
 #: What ``predict``'s ``ckpt_path`` may name, for its messages.

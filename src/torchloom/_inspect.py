@@ -19,12 +19,12 @@ import yaml
 from torchloom._export import (
     MODEL_CARD,
     is_exported_model,
-    is_run_dir,
     safetensors_summary,
     strict_json,
     weight_files,
 )
-from torchloom.checkpoint import CHECKPOINTS_DIR, MANIFEST, list_checkpoints, read_manifest
+from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
+from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest
 from torchloom.errors import ConfigError
 
 __all__ = ["inspect_path"]
@@ -75,7 +75,7 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
     elif is_run_dir(root):
         info = _run(root)
     else:
-        runs = sorted(p.name for p in root.glob("version_*") if p.is_dir()) if root.is_dir() else []
+        runs = [run.name for run in run_directories(root)]
         hint = f"; it holds runs ({', '.join(runs[:3])}{', ...' if len(runs) > 3 else ''}): inspect one" if runs else ""
         raise ConfigError(
             f"inspect: {os.fspath(path)!r} is not a checkpoint (manifest.json), a run directory (config.yaml, "

@@ -13,9 +13,9 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,8 +25,8 @@ from accelerate.utils import broadcast_object_list
 from torchloom._atomic import atomic_directory, remove_orphans, temporary_path, write_atomically, write_failure
 from torchloom._export import MODEL_CARD, model_card
 from torchloom._guards import check_finite_parameters
+from torchloom._layout import CHECKPOINTS_DIR, LATEST, RUN_DIR, run_directories
 from torchloom._logging import active_run_log
-from torchloom.checkpoint import CHECKPOINTS_DIR
 from torchloom.errors import RunFileError
 from torchloom.hookspecs import hookimpl
 
@@ -40,9 +40,6 @@ __all__ = [
     "write_model_card",
     "write_predictions",
 ]
-
-VERSION = re.compile(r"version_(\d+)")
-LATEST = "latest"
 
 
 def create_run_dir(output_dir: str, accelerator: Any) -> str:
@@ -194,7 +191,7 @@ def config_dict(config: Any) -> Any:
 def _make_version_dir(root: str) -> str:
     os.makedirs(root, exist_ok=True)
     _remove_orphans(root)
-    taken = [int(m.group(1)) for name in os.listdir(root) if (m := VERSION.fullmatch(name))]
+    taken = [int(m.group(1)) for name in os.listdir(root) if (m := RUN_DIR.fullmatch(name))]
     n = max(taken, default=-1) + 1
     while True:
         path = os.path.join(root, f"version_{n}")
@@ -208,8 +205,8 @@ def _make_version_dir(root: str) -> str:
 def _remove_orphans(root: str) -> None:
     """Remove what saves killed half-way left (`torchloom._atomic`: entries of processes that no longer run) in
     ``root``, in its run directories and in their checkpoint folders."""
-    runs = [os.path.join(root, n) for n in os.listdir(root) if VERSION.fullmatch(n)]
-    for folder in [root, *runs, *(os.path.join(run, CHECKPOINTS_DIR) for run in runs)]:
+    runs = run_directories(root)
+    for folder in [Path(root), *runs, *(run / CHECKPOINTS_DIR for run in runs)]:
         remove_orphans(folder)
 
 

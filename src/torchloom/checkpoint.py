@@ -46,6 +46,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, gather_obje
 from torchloom import _atomic as atomic
 from torchloom._atomic import temporary_path
 from torchloom._data_position import DataOrder, layout_problems
+from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
 from torchloom.errors import CheckpointError, RunFileError
 from torchloom.state import _stateful, load_plugin_state, save_plugin_state
 
@@ -66,8 +67,6 @@ FORMAT, VERSION = "torchloom.checkpoint", 2
 #: states are in ``engine/process_<rank>/``).
 _ACCELERATE_RANDOM_STATES = "random_states_{}.pkl"
 MANIFEST = "manifest.json"
-#: The folder of a run directory that holds its checkpoints.
-CHECKPOINTS_DIR = "checkpoints"
 _CHUNK = 1 << 20
 _UNCHECKED: Any = object()  # check_compatible: an argument not to compare
 
@@ -340,11 +339,7 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[str]:
     (``version_N``) and then by global step, an end-of-epoch checkpoint after a step checkpoint of the same step.
     """
     root = Path(path)
-    runs = (
-        [root]
-        if (root / CHECKPOINTS_DIR).is_dir()
-        else sorted((d for d in root.glob("version_*") if d.name[8:].isdigit()), key=lambda d: int(d.name[8:]))
-    )
+    runs = [root] if (root / CHECKPOINTS_DIR).is_dir() else run_directories(root)
     found: list[str] = []
     for run in runs:
         entries = []
@@ -391,7 +386,7 @@ def find_checkpoint(path: str | os.PathLike[str]) -> str:
             )
         if not root.is_dir():
             problem = "it is a file, not a checkpoint directory"
-        elif any((root / name).exists() for name in ("config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)):
+        elif is_run_dir(root):
             problem = (
                 f"the run directory has no complete checkpoint (the 'checkpoint' plugin writes {CHECKPOINTS_DIR}/)"
             )

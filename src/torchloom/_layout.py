@@ -1,0 +1,35 @@
+"""The layout of an ``output_dir``: its run directories ``version_N``, ordered by N (``version_10`` after
+``version_2``), the ``latest`` link, and the folder of a run's checkpoints. One place for these names, so that every
+reader (resume, predict, inspect, the next run's number, the orphan sweep) orders and recognises them alike."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+__all__ = ["CHECKPOINTS_DIR", "LATEST", "RUN_DIR", "RUN_FILES", "is_run_dir", "run_directories"]
+
+#: A run directory's name: ``group(1)`` is its number.
+RUN_DIR = re.compile(r"version_(\d+)")
+#: The link in ``output_dir`` to the last completed fit.
+LATEST = "latest"
+#: The folder of a run directory that holds its checkpoints.
+CHECKPOINTS_DIR = "checkpoints"
+#: What a run directory holds from the moment its run started (at least one of them).
+RUN_FILES = ("config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)
+
+
+def run_directories(output_dir: str | os.PathLike[str]) -> list[Path]:
+    """The run directories of ``output_dir`` (``version_N`` folders), by N; empty when it is not a directory."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    runs = [(int(m.group(1)), p) for p in root.iterdir() if (m := RUN_DIR.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(runs)]
+
+
+def is_run_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` looks like a run directory: it holds one of `RUN_FILES`."""
+    root = Path(path)
+    return root.is_dir() and any((root / name).exists() for name in RUN_FILES)
