@@ -200,6 +200,19 @@ def test_no_final_validation_when_the_last_step_was_validated(tmp_path):
     assert starts == [4, 8]
 
 
+@pytest.mark.parametrize(("interval", "starts"), [(8, [8]), (9, None)])
+def test_a_val_check_interval_equal_to_the_fit_s_steps_validates_once_at_the_end(tmp_path, interval, starts):
+    """8 optimizer steps: val_check_interval 8 validates after step 8 only (it is reached, and the final validation
+    is not repeated); 9 is never reached, a ConfigError before training."""
+    rec = RecordingPlugin()
+    if starts is None:
+        with pytest.raises(torchloom.ConfigError, match=r"got 9, but this fit takes only 8 optimizer steps"):
+            fit(tmp_path, [rec], task=TinyTask(n=16, batch_size=4), max_epochs=2, val_check_interval=interval)
+        return
+    fit(tmp_path, [rec], task=TinyTask(n=16, batch_size=4), max_epochs=2, val_check_interval=interval)
+    assert [p.global_step for hook, p in rec.records if hook == "on_validation_start"] == starts
+
+
 def test_hook_order_max_steps_stops_mid_epoch(tmp_path):
     """max_steps=6 with 4 batches per epoch: epoch 1 stops after its second batch; epoch 2 never starts."""
     rec = RecordingPlugin()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torchmetrics
@@ -62,6 +64,32 @@ def test_bf16_values_are_summed_in_float64(tmp_path):
 
     engine = tiny_fit(task=Bf16Logs(), output_dir=str(tmp_path), log_every_n_steps=3)
     assert [r["b/mean"] for r in engine.history if "b/mean" in r] == [0.66796875]
+
+
+@pytest.mark.parametrize("count", [4, 300])  # 300: past LogBuffer.APPEND_FOLD, so appended values fold mid-interval
+@pytest.mark.parametrize("value_kind", ["tensor", "float", "mixed"])
+@pytest.mark.parametrize("weight_kind", ["tensor", "float", "mixed", "one"])
+def test_a_weighted_mean_is_the_same_for_tensors_and_numbers(count, value_kind, weight_kind):
+    """Every path of log(name, value, weight): tensor or Python value, tensor or Python weight (or the default 1),
+    mixed within one interval, before and after the appended values fold: the exact weighted mean."""
+    from torchloom._logbuffer import LogBuffer
+
+    class OneProcess:
+        num_processes, device = 1, torch.device("cpu")
+
+    values = [((i * 7) % 13) / 4 for i in range(count)]  # exact in binary
+    weights = [1.0 if weight_kind == "one" else float(1 + i % 3) for i in range(count)]
+    buffer = LogBuffer()
+    for i, (v, w) in enumerate(zip(values, weights, strict=True)):
+        as_tensor = value_kind == "tensor" or (value_kind == "mixed" and i % 2 == 0)
+        value: Any = torch.tensor(v, dtype=torch.float32) if as_tensor else v
+        if weight_kind == "one":
+            buffer.log("x", value)
+            continue
+        weight_tensor = weight_kind == "tensor" or (weight_kind == "mixed" and i % 3 == 0)
+        buffer.log("x", value, weight=torch.tensor(w) if weight_tensor else w)
+    expected = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
+    assert buffer.reduce(OneProcess())["x"] == expected
 
 
 class MetricTask(TinyTask):
