@@ -6,8 +6,10 @@ the dataset. ``accelerator.gather_for_metrics`` drops the copies after a gather,
 ``dataloader.remainder`` (``len(dataset) % total_batch_size``); the engine uses the same numbers to cut the
 copies off the *outputs* of ``validation_step`` / ``predict_step`` (the batch itself is left whole, so a
 ``gather_for_metrics`` inside the step still works), so ``on_validation_batch_end`` consumers (metric plugins)
-and predictions see every sample exactly once. (pytorch/pytorch#25162, Lightning-AI/pytorch-lightning#4732,
-huggingface/accelerate#226.)
+and predictions see every sample exactly once; and while ``validation_step`` runs on such a batch, the
+torchmetrics objects the task holds are updated with the real rows only (`real_rows_in_metrics`: Lightning's
+idiom of a metric updated in the step and logged as the object). (pytorch/pytorch#25162,
+Lightning-AI/pytorch-lightning#4732, huggingface/accelerate#226.)
 """
 
 from __future__ import annotations
@@ -104,30 +106,37 @@ def real_rows_in_metrics(task: Any, rows: int, size: int, fail: Callable[[str], 
 
     Each tensor argument of ``update`` (also through ``metric(...)`` / ``forward`` and a ``MetricCollection``)
     whose first dimension is ``size`` is cut to its first ``rows`` rows (`take_rows`); with ``rows == 0`` the
-    update is skipped and ``forward`` returns NaN (no real sample here, and an empty update breaks some metrics,
-    e.g. Pearson's). An update with no such tensor (e.g. flattened tokens) cannot be cut: ``fail`` gets a message
-    (raised after the pass, on every process alike) and the update is skipped.
+    update is skipped and ``forward`` returns NaN (no real sample here, and an empty update breaks some metrics:
+    Pearson's, a multiclass accuracy's). An update with no such tensor (e.g. flattened tokens) cannot be cut:
+    ``fail`` gets a message (raised after the pass, on every process alike), the update is skipped and
+    ``forward`` returns NaN.
     """
     metrics = held_metrics(task)
-    originals = {name: metric.update for name, metric in metrics.items()}
-    depth = [0]  # > 0 inside a cut update: a metric that another one wraps gets the rows already cut
+    updates = {name: metric.update for name, metric in metrics.items()}
+    forwards = {name: metric.forward for name, metric in metrics.items()}
+    depth = [0]  # > 0 inside a cut call: a metric that another one calls gets the rows already cut
 
-    def cut(name: str, metric: Any, update: Callable[..., Any]) -> Callable[..., Any]:
+    def cuttable(name: str, metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        if any(t.ndim and t.shape[0] == size for t in tensors):
+            return True
+        got = ", ".join(str(tuple(t.shape)) for t in tensors) or "no tensor"
+        fail(
+            f"validation_step updated {name} ({type(metric).__name__}) with tensors of shapes {got} on a batch of "
+            f"{size} samples whose last {size - rows} on this process are copies that Accelerate pads the last "
+            "batch with; the engine cuts the copies off tensors whose first dimension is the batch size, and none "
+            "is: update the metric with one row per sample (before flattening), or from the outputs in "
+            "on_validation_batch_end (as the eval_metrics plugin does)"
+        )
+        return False
+
+    def cut(name: str, metric: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        update, forward = updates[name], forwards[name]
+
         def update_real_rows(*args: Any, **kwargs: Any) -> Any:
             if depth[0]:
                 return update(*args, **kwargs)
-            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-            if not any(t.ndim and t.shape[0] == size for t in tensors):
-                got = ", ".join(str(tuple(t.shape)) for t in tensors) or "no tensor"
-                fail(
-                    f"validation_step updated {name} ({type(metric).__name__}) with tensors of shapes {got} on a "
-                    f"batch of {size} samples whose last {size - rows} on this process are copies that Accelerate "
-                    "pads the last batch with; the engine cuts the copies off tensors whose first dimension is the "
-                    "batch size, and none is: update the metric with one row per sample (before flattening), or "
-                    "from the outputs in on_validation_batch_end (as the eval_metrics plugin does)"
-                )
-                return None
-            if rows == 0:
+            if not cuttable(name, metric, args, kwargs) or rows == 0:
                 return None
             depth[0] += 1
             try:
@@ -135,18 +144,20 @@ def real_rows_in_metrics(task: Any, rows: int, size: int, fail: Callable[[str], 
             finally:
                 depth[0] -= 1
 
-        return update_real_rows
+        def forward_real_rows(*args: Any, **kwargs: Any) -> Any:
+            # forward updates through ``self.update`` (cut above), then computes the value of this batch alone:
+            # NaN where nothing real is left (its compute could fail on an empty state, on this process only).
+            if depth[0] or (cuttable(name, metric, args, kwargs) and rows):
+                return forward(*args, **kwargs)
+            return torch.tensor(float("nan"), device=metric.device)
+
+        return update_real_rows, forward_real_rows
 
     for name, metric in metrics.items():
-        metric.update = cut(name, metric, originals[name])
-        if rows == 0:
-            metric.forward = lambda *args, _m=metric, _u=metric.update, **kwargs: (
-                _u(*args, **kwargs),
-                torch.tensor(float("nan"), device=_m.device),
-            )[1]
+        metric.update, metric.forward = cut(name, metric)
     try:
         yield
     finally:
         for name, metric in metrics.items():
-            metric.update = originals[name]
+            metric.update = updates[name]
             metric.__dict__.pop("forward", None)
