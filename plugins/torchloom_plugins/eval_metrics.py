@@ -22,9 +22,17 @@ Method card
 - **Inputs:** ``validation_step`` returns a mapping with the predictions under ``preds_key`` (default
   ``preds``) and the targets under ``target_key`` (default ``target``; when the outputs lack it, the batch's
   entry of that name is used, so ``target_key: labels`` reads a Hugging Face batch's labels). Half-precision
-  predictions are passed as float32.
-- **Cost:** one collective per metric state at the end of each validation pass; nothing per step, no host sync
-  per batch (torchmetrics' updates stay on the device).
+  predictions are passed as float32. A metric object returned under two names is updated once and logged
+  under both.
+- **Checked inputs:** every invalid input is one `TaskError` naming the metric, the tensor, what it got and
+  what it expects (`_metric_inputs`): shapes and dtypes on the host (metadata: free), class indices, labels and
+  token ids out of range counted on the device and read once, at the end of the pass. With several processes
+  the first problem of any process is raised by every process there, before any metric is computed (no process
+  is left in a collective). torchmetrics' own per-batch checks (a host sync each) are off for the metrics the
+  rules cover; whatever another metric's ``update`` raises is reported naming it.
+- **Cost:** one collective per metric state at the end of each validation pass, plus one small gather of the
+  input checks (several processes) and one host copy of their counters; nothing per step, no host sync per
+  batch (torchmetrics' updates and the checks stay on the device).
 - **Sources:** torchmetrics' "Metrics and distributed computations" and ``MetricCollection`` documentation;
   Lightning's ``self.log(name, metric)`` with torchmetrics objects; Accelerate's ``gather_for_metrics`` (the
   padding it removes is the padding cut here).
