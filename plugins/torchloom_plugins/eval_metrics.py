@@ -22,9 +22,17 @@ Method card
 - **Inputs:** ``validation_step`` returns a mapping with the predictions under ``preds_key`` (default
   ``preds``) and the targets under ``target_key`` (default ``target``; when the outputs lack it, the batch's
   entry of that name is used, so ``target_key: labels`` reads a Hugging Face batch's labels). Half-precision
-  predictions are passed as float32.
-- **Cost:** one collective per metric state at the end of each validation pass; nothing per step, no host sync
-  per batch (torchmetrics' updates stay on the device).
+  predictions are passed as float32. A metric object returned under two names is updated once and logged
+  under both.
+- **Checked inputs:** every invalid input is one `TaskError` naming the metric, the tensor, what it got and
+  what it expects (`_metric_inputs`): shapes and dtypes on the host (metadata: free), class indices, labels and
+  token ids out of range counted on the device and read once, at the end of the pass. With several processes
+  the first problem of any process is raised by every process there, before any metric is computed (no process
+  is left in a collective). torchmetrics' own per-batch checks (a host sync each) are off for the metrics the
+  rules cover; whatever another metric's ``update`` raises is reported naming it.
+- **Cost:** one collective per metric state at the end of each validation pass, plus one small gather of the
+  input checks (several processes) and one host copy of their counters; nothing per step, no host sync per
+  batch (torchmetrics' updates and the checks stay on the device).
 - **Sources:** torchmetrics' "Metrics and distributed computations" and ``MetricCollection`` documentation;
   Lightning's ``self.log(name, metric)`` with torchmetrics objects; Accelerate's ``gather_for_metrics`` (the
   padding it removes is the padding cut here).
@@ -32,14 +40,26 @@ Method card
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate.utils import gather_object
 
 import torchloom
+from torchloom_plugins._metric_inputs import (
+    Rule,
+    describe,
+    expected_values,
+    highest,
+    host_problem,
+    invalid_values,
+    number,
+    rule_for,
+)
 
 if TYPE_CHECKING:  # imported where used: torchmetrics takes about a second to import (scipy, transformers)
     import torchmetrics
@@ -185,9 +205,16 @@ class EvalMetrics(torchloom.Plugin):
     def __init__(self, config: EvalMetricsConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
         self.metrics: dict[str, torchmetrics.Metric] = {}
-        # What update() is called on: each metric, except that a task's MetricCollection is updated (and reset)
-        # as one object, so that its compute groups keep sharing state between members.
+        # What update() is called on: each metric once, except that a task's MetricCollection is updated (and
+        # reset) as one object, so that its compute groups keep sharing state between members.
         self._updated: list[torchmetrics.Metric | torchmetrics.MetricCollection] = []
+        self._what: dict[int, str] = {}  # id(updated) -> "metric 'val/x' (Class)", for messages
+        # The input rules of the metrics (`_metric_inputs`), each with the names of the metrics it applies to.
+        self._rules: dict[Rule, list[str]] = {}
+        # Per rule and tensor (preds, target): [invalid values, smallest, largest], on the device, read once a pass.
+        self._invalid: torch.Tensor | None = None
+        self._seen: dict[str, Any] = {}  # what the messages need: the tensors' sources, the largest valid values
+        self._problem: str | None = None  # the first shape / dtype / update problem of this pass on this process
 
     @torchloom.hookimpl
     def configure_model(self, task: torchloom.TaskModule, accelerator) -> None:
@@ -208,27 +235,137 @@ class EvalMetrics(torchloom.Plugin):
                 f"binary}}}}) or return them from {type(task).__name__}.configure_metrics()"
             )
         self.metrics = {**named, **{prefix + name: metric for name, metric in from_task.items()}}
-        self._updated = [*named.values(), *([collection] if collection is not None else from_task.values())]
-        for updated in self._updated:
-            updated.to(accelerator.device)
+        updated = [*named.values(), *([collection] if collection is not None else from_task.values())]
+        self._updated = list({id(u): u for u in updated}.values())  # one object under two names: updated once
+        names: dict[int, list[str]] = {}
+        for name, metric in self.metrics.items():
+            names.setdefault(id(metric), []).append(name)
+        self._what = {id(m): f"metric {_names(names[id(m)])} ({type(m).__name__})" for m in self.metrics.values()}
+        if collection is not None:
+            self._what[id(collection)] = f"{type(task).__name__}.configure_metrics()'s MetricCollection"
+        self._rules = {}
+        for name, metric in self.metrics.items():
+            rule = rule_for(metric)
+            if rule is not None:
+                self._rules.setdefault(rule, []).append(name)
+                if getattr(metric, "validate_args", False):
+                    metric.validate_args = False  # checked here, without its per-batch host-device sync
+        for item in self._updated:
+            item.to(accelerator.device)
 
     @torchloom.hookimpl
-    def on_validation_start(self) -> None:
+    def on_validation_start(self, accelerator) -> None:
         for updated in self._updated:
             updated.reset()
+        dtype = torch.float32 if accelerator.device.type == "mps" else torch.float64  # MPS has no float64
+        invalid = torch.tensor([[0.0, math.inf, -math.inf]], dtype=dtype, device=accelerator.device)
+        self._invalid = invalid.repeat(2 * len(self._rules), 1)
+        self._seen, self._problem = {}, None
 
     @torchloom.hookimpl
-    def on_validation_batch_end(self, outputs: Any, batch: Any) -> None:
-        preds, target = self._inputs(outputs, batch)
+    def on_validation_batch_end(self, outputs: Any, batch: Any, accelerator) -> None:
+        if self._problem is not None:  # this pass already failed on this process: reported at its end
+            return
+        try:
+            preds, target, sources = self._inputs(outputs, batch)
+        except torchloom.TaskError as exc:
+            return self._fail(str(exc), accelerator)
+        self._seen["sources"] = sources
+        rules = list(self._rules.items())
+        for rule, names in rules:
+            found = host_problem(rule, preds, target)
+            if found is not None:
+                role, problem = found
+                return self._fail(f"{self._about(names)}: {role} ({sources[role]}) {problem}", accelerator)
+        # Values: counted on the device (read at the end of the pass); invalid ones replaced by 0 meanwhile.
+        masks: dict[str, torch.Tensor] = {}
+        for i, (rule, _names) in enumerate(rules):
+            high = highest(rule, preds)
+            self._seen[f"high{i}"] = high
+            for j, (role, x) in enumerate((("preds", preds), ("target", target))):
+                bad = invalid_values(rule, role, preds, target, high)
+                if bad is not None:
+                    self._count(2 * i + j, bad, x)
+                    masks[role] = bad | masks[role] if role in masks else bad
+        if "preds" in masks:
+            preds = torch.where(masks["preds"], torch.zeros_like(preds), preds)
+        if "target" in masks:
+            target = torch.where(masks["target"], torch.zeros_like(target), target)
         for updated in self._updated:
-            updated.update(preds, target)
+            try:
+                updated.update(preds, target)
+            except Exception as exc:
+                message = " ".join(str(exc).split())
+                return self._fail(
+                    f"eval_metrics: {self._what[id(updated)]}: update failed on preds ({sources['preds']}, "
+                    f"{describe(preds)}) and target ({sources['target']}, {describe(target)}): {message}",
+                    accelerator,
+                )
+        return None
 
     @torchloom.hookimpl
-    def on_validation_end(self, log) -> None:
+    def on_validation_end(self, log, accelerator) -> None:
+        self._check_pass(accelerator)  # the same TaskError on every process, before any metric is computed
         for name, metric in self.metrics.items():
             log(name, metric)  # computed over every process, then reset, by the engine right after this hook
 
-    def _inputs(self, outputs: Any, batch: Any) -> tuple[Any, Any]:
+    def _fail(self, message: str, accelerator: Any) -> None:
+        """Raise now on one process; with several, keep the first problem for `_check_pass`, where every process
+        raises it alike (one that raised alone would leave the others waiting in a collective)."""
+        if accelerator.num_processes == 1:
+            raise torchloom.TaskError(message)
+        self._problem = self._problem or message
+
+    def _count(self, row: int, bad: torch.Tensor, x: torch.Tensor) -> None:
+        """Add the invalid values ``bad`` marks in ``x`` to ``self._invalid[row]``: on the device, no sync."""
+        assert self._invalid is not None
+        top = torch.finfo(x.dtype).max if x.is_floating_point() else torch.iinfo(x.dtype).max
+        low = torch.finfo(x.dtype).min if x.is_floating_point() else torch.iinfo(x.dtype).min
+        counts = self._invalid[row]
+        counts[0] += bad.sum()
+        counts[1] = torch.minimum(counts[1], torch.where(bad, x, top).amin().to(counts.dtype))
+        counts[2] = torch.maximum(counts[2], torch.where(bad, x, low).amax().to(counts.dtype))
+
+    def _check_pass(self, accelerator: Any) -> None:
+        """Raise the pass's first input problem, on every process alike: one small gather with several processes,
+        and one host copy of the counters, once per validation pass."""
+        local = self._invalid.tolist() if self._invalid is not None else []
+        if accelerator.num_processes > 1:
+            per_rank = gather_object([(self._problem, local, self._seen)])
+            problems = [(rank, problem) for rank, (problem, _, _) in enumerate(per_rank) if problem]
+            if problems:
+                rank, problem = problems[0]
+                raise torchloom.TaskError(f"{problem} (on process {rank})")
+            tables = [table for _, table, _ in per_rank]
+            local = [
+                [sum(t[r][0] for t in tables), min(t[r][1] for t in tables), max(t[r][2] for t in tables)]
+                for r in range(len(local))
+            ]
+            seen = {k: v for _, _, s in reversed(per_rank) for k, v in s.items()}
+        else:
+            seen = self._seen
+        for i, (rule, names) in enumerate(self._rules.items()):
+            for j, role in enumerate(("preds", "target")):
+                count, smallest, largest = local[2 * i + j]
+                if count:
+                    found = number(smallest)
+                    if smallest != largest:
+                        found = f"from {found} to {number(largest)}"
+                    raise torchloom.TaskError(
+                        f"{self._about(names)}: {role} ({seen['sources'][role]}) holds {int(count)} invalid "
+                        f"value{'s' if count > 1 else ''} ({found}) in this validation pass; expected "
+                        f"{expected_values(rule, role, seen.get(f'high{i}'))}"
+                    )
+
+    def _about(self, names: list[str]) -> str:
+        """``eval_metrics: metric 'val/f1' (MulticlassF1Score; also 'val/accuracy')``: the metrics a rule is of."""
+        first = self.metrics[names[0]]
+        also = [n for n in names[1:] if self.metrics[n] is not first]
+        same = [n for n in names if self.metrics[n] is first]
+        more = f"; also {', '.join(repr(n) for n in also)}" if also else ""
+        return f"eval_metrics: metric {_names(same)} ({type(first).__name__}{more})"
+
+    def _inputs(self, outputs: Any, batch: Any) -> tuple[Any, Any, dict[str, str]]:
         preds_key, target_key = self.config.preds_key, self.config.target_key
         if not isinstance(outputs, Mapping) or preds_key not in outputs:
             keys = sorted(map(str, outputs)) if isinstance(outputs, Mapping) else None
@@ -238,10 +375,13 @@ class EvalMetrics(torchloom.Plugin):
                 f"{target_key!r} (the targets, or a batch entry of that name); it returned {got}. Set the plugin's "
                 "'preds_key' / 'target_key' to use other names"
             )
+        sources = {"preds": f"validation_step's outputs[{preds_key!r}]"}
         if target_key in outputs:
             target = outputs[target_key]
+            sources["target"] = f"validation_step's outputs[{target_key!r}]"
         elif isinstance(batch, Mapping) and target_key in batch:
             target = batch[target_key]
+            sources["target"] = f"the batch's {target_key!r}"
         else:
             batch_keys = f"; the batch has {sorted(map(str, batch))}" if isinstance(batch, Mapping) else ""
             raise torchloom.TaskError(
@@ -251,7 +391,13 @@ class EvalMetrics(torchloom.Plugin):
         preds = outputs[preds_key]
         if isinstance(preds, torch.Tensor) and preds.dtype in (torch.float16, torch.bfloat16):
             preds = preds.float()
-        return preds, target
+        return preds, target, sources
+
+
+def _names(names: list[str]) -> str:
+    """``'val/a'`` or ``'val/a' (also logged as 'val/b')``."""
+    also = f" (also logged as {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
+    return f"{names[0]!r}{also}"
 
 
 def _task_metrics(own: Any, task_name: str) -> tuple[torchmetrics.MetricCollection | None, dict[str, Any]]:

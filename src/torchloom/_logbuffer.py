@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
+from torchloom._metric_sync import even_list_states, gather_states, has_list_state, uneven
 from torchloom.errors import TaskError
 
 __all__ = ["REDUCTIONS", "WEIGHT_PREFIX", "LogBuffer", "compute_metric"]
@@ -39,6 +40,7 @@ class LogBuffer:
         self._reductions: dict[str, str] = {}
         self.metrics: dict[str, Any] = {}  # name -> torchmetrics.Metric
         self._appended: dict[str, tuple[list[torch.Tensor], list[Any]]] = {}  # name -> (values, weights)
+        self._failures: list[str] = []  # problems found during the interval, raised by `reduce` on every rank
 
     def _append(self, name: str, value: torch.Tensor, weight: torch.Tensor | float) -> None:
         """Keep ``value`` (a checked 0-dim tensor, detached) and its ``weight`` for the weighted mean of ``name``,
@@ -138,8 +140,14 @@ class LogBuffer:
             extreme = torch.maximum if reduce == "max" else torch.minimum
             self._values[name] = extreme(previous, current)
 
+    def fail(self, message: str) -> None:
+        """Record a problem of this process that `reduce` raises as a `TaskError` on every process alike (a
+        process that raised on its own would leave the others waiting in the reduction's collectives)."""
+        self._failures.append(message)
+
     def clear(self) -> None:
         """Drop everything buffered (registered metrics are forgotten, not reset)."""
+        self._failures.clear()
         self._values.clear()
         self._weights.clear()
         self._reductions.clear()
@@ -186,37 +194,56 @@ class LogBuffer:
         Plain values: one collective (a gather of every name's partial result) and one device-to-host copy,
         whatever the number of names; ``mean`` is the weighted mean over the interval and the ranks, ``sum``
         the total, ``max`` / ``min`` the extreme, ``last`` the main process's latest value. Metrics: each is
-        computed (torchmetrics gathers its state over the ranks), then reset. For each ``mean`` name in
-        ``weights`` that was logged, the summed weight over the interval and the ranks is returned too, as
+        computed (torchmetrics gathers its state over the ranks), then reset; one metric object logged under
+        several names is computed once, and every name gets its value. For each ``mean`` name in ``weights``
+        that was logged, the summed weight over the interval and the ranks is returned too, as
         ``WEIGHT_PREFIX + name`` (``torchloom/weight/train/loss``: the items the training loss is a mean over).
 
         Raises:
-            TaskError: the ranks logged different names or reductions; a metric's compute failed or did not
-                give a single number (the metric is left usable: its local state, not the synchronised one).
+            TaskError: the ranks logged different names or reductions; a rank recorded a problem with `fail`
+                (every rank raises the first one, and the logged metrics are reset); a metric's compute failed or
+                did not give a single number (the metric is left usable: its local state, not the synchronised
+                one).
         """
         self._fold()
         names = sorted(n for n in self._reductions if n not in self.metrics)
+        failures = [(accelerator.process_index, f) for f in self._failures]
         if accelerator.num_processes > 1:
             # One small object gather per logging interval turns a rank logging other names (which would make
-            # the reduction below mismatch or hang) into a clear error.
+            # the reduction below mismatch or hang) into a clear error, and a problem of one rank into the same
+            # error on every rank.
             signature = sorted(n if r == "mean" else f"{n} ({r})" for n, r in self._reductions.items())
-            per_rank = gather_object([signature])
-            if any(other != signature for other in per_rank):
-                listing = "; ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank))
+            per_rank = gather_object([(signature, self._failures)])
+            failures = [(rank, f) for rank, (_, found) in enumerate(per_rank) for f in found]
+            if not failures and any(other != signature for other, _ in per_rank):
+                listing = "; ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(per_rank))
                 raise TaskError(f"every process must log the same names between two logging steps; got {listing}")
+        if failures:
+            for metric in {id(m): m for m in self.metrics.values()}.values():
+                metric.reset()
+            self.clear()
+            rank, message = failures[0]
+            where = f" (on process {rank})" if accelerator.num_processes > 1 else ""
+            raise TaskError(f"{message}{where}")
         reduced = self._reduce_values(names, accelerator, weights) if names else {}
         metrics, self.metrics = self.metrics, {}
         self.clear()
         # Every metric is computed on every rank even after one fails: each compute is a collective, so a rank
-        # that stopped at the first failure would leave the others waiting in the next one.
-        failure: TaskError | None = None
+        # that stopped at the first failure would leave the others waiting in the next one. A metric logged under
+        # several names is computed once (a second compute would follow its reset: 0, or NaN on several ranks).
+        names_of: dict[int, list[str]] = {}
         for name in sorted(metrics):
+            names_of.setdefault(id(metrics[name]), []).append(name)
+        failure: TaskError | None = None
+        for same in names_of.values():
+            metric = metrics[same[0]]
             try:
-                reduced[name] = compute_metric(name, metrics[name])
+                value = compute_metric(same[0], metric)
             except TaskError as exc:
                 failure = failure or exc
             else:
-                metrics[name].reset()
+                reduced.update(dict.fromkeys(same, value))
+                metric.reset()
         if failure is not None:
             raise failure
         return reduced
@@ -264,17 +291,27 @@ def compute_metric(name: str, metric: Any) -> float:
 
     torchmetrics (1.9) synchronises a metric's state over the ranks before compute and restores the local state
     after it, but not when compute raises: the metric stays synchronised and its next ``update`` raises. Here
-    the local state is restored first.
+    the local state is restored first. A metric with a list state (AUROC, average precision, Spearman, retrieval
+    metrics ...) is synchronised with `gather_states`, which also works when a process holds no sample.
 
     Raises:
         TaskError: compute raised, or its result is not a single number.
     """
+    own_sync = getattr(metric, "dist_sync_fn", None) is None and has_list_state(metric)
+    padded: dict[str, int] = {}
+    if own_sync:
+        padded = even_list_states(metric)  # before dist_sync_fn is set: it checks that none of the user's is
+        metric.dist_sync_fn = gather_states
     try:
         value = metric.compute()
     except Exception as exc:
         if getattr(metric, "_is_synced", False):
             metric.unsync()
         raise TaskError(f"metric {name!r} ({type(metric).__name__}): compute failed: {exc}") from exc
+    finally:
+        if own_sync:
+            metric.dist_sync_fn = None
+            uneven(metric, padded)
     if not isinstance(value, torch.Tensor | int | float) or (isinstance(value, torch.Tensor) and value.numel() != 1):
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise TaskError(

@@ -31,7 +31,7 @@ from torchloom._guards import (
 )
 from torchloom._logbuffer import WEIGHT_PREFIX
 from torchloom._logging import RunLog
-from torchloom._padding import batch_size, real_rows, take_rows
+from torchloom._padding import batch_size, real_rows, real_rows_in_metrics, take_rows
 from torchloom._runfiles import (
     MetricsFile,
     config_dict,
@@ -494,10 +494,15 @@ class Engine:
             relay.call("on_validation_start", task=task, model=model, accelerator=acc, progress=p)
             with torch.no_grad():
                 for batch_idx, batch in enumerate(loader):
-                    outputs = task.validation_step(batch, batch_idx)  # the whole batch: gather_for_metrics works
-                    rows = real_rows(loader, acc)  # the outputs lose Accelerate's padding copies: each sample once
+                    rows = real_rows(loader, acc)  # Accelerate's padding copies are cut off: each sample counts once
+                    size = batch_size(batch) if rows is not None else None
+                    if rows is None or size is None or rows == size:
+                        outputs = task.validation_step(batch, batch_idx)
+                    else:  # the whole batch (gather_for_metrics works), but the task's metrics get the real rows
+                        with real_rows_in_metrics(task, rows, size, self.logs.val.fail):
+                            outputs = task.validation_step(batch, batch_idx)
                     if batch_end and rows != 0:
-                        if rows is not None and (size := batch_size(batch)) is not None:
+                        if rows is not None and size is not None:
                             outputs, batch = take_rows(outputs, rows, size), take_rows(batch, rows, size)
                         relay.call("on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=p)
             relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=p, log=self.logs.log)

@@ -476,9 +476,13 @@ def on_validation_batch_end(outputs: Any, batch: Any, accelerator: Accelerator, 
     processes each rank sees its own shard, and the engine has already cut off the copies Accelerate pads
     the last batch with (per-sample tensors, and lists of plain items, whose first dimension is the batch
     size), so each sample reaches this hook once over all ranks; a rank whose share of the last batch is only
-    copies is not called. So do not start a collective here (no ``gather_for_metrics``: the ranks' sizes
-    differ in the last batch): keep per-rank state, e.g. a torchmetrics object, and combine it at the end
-    (``log(name, metric)`` in ``on_validation_end``).
+    copies is not called for that batch (with 32 samples in one batch of 32 on 2 processes, rank 1 is never
+    called), so its metrics may hold no sample at all. So do not start a collective here (no
+    ``gather_for_metrics``: the ranks' sizes differ in the last batch, and a rank may not be called): keep
+    per-rank state, e.g. a torchmetrics object, and combine it at the end (``log(name, metric)`` in
+    ``on_validation_end``: the engine synchronises it correctly also from a rank that holds no sample, list
+    states such as AUROC's included). Read no tensor on the host here (a sync per batch): count problems on
+    the device and check them once, in ``on_validation_end``, as ``eval_metrics`` does.
 
     :param outputs: what ``validation_step`` returned, without the padding copies (do not mutate).
     :param batch: the batch, on the device, without the padding copies.

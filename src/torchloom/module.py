@@ -86,6 +86,10 @@ class TaskModule:
     def validation_step(self, batch: Any, batch_idx: int) -> Any:
         """Evaluate one validation batch (gradients disabled, model in eval mode); log with `log`.
 
+        With several processes the last batch is whole, Accelerate's padding copies included (so
+        ``accelerator.gather_for_metrics`` works here), but the torchmetrics objects the task holds are updated
+        with the real rows only (see `log`).
+
         Returns:
             Anything; it is passed to the ``on_validation_batch_end`` hook (metric plugins use it).
         """
@@ -248,9 +252,14 @@ class TaskModule:
         A `torchmetrics.Metric` (as in Lightning) is logged as the object: update it yourself (``metric(preds,
         target)`` or ``metric.update(...)``), log it once or on every batch, and at the reduction it is computed
         over all the data of all ranks (torchmetrics synchronises its state then, so AUROC, F1 or average
-        precision are never a mean of per-rank values) and reset. With several processes, the last validation batch
-        holds copies Accelerate pads it with: count each sample once with ``accelerator.gather_for_metrics`` or
-        from the outputs ``on_validation_batch_end`` receives (the engine cuts the copies off those).
+        precision are never a mean of per-rank values) and reset; one object logged under several names is computed
+        once and each name gets its value. With several processes, the last validation batch holds copies
+        Accelerate pads it with: while ``validation_step`` runs on it, the torchmetrics objects the task holds
+        (attributes, also inside a dict, a list or an ``nn.Module``) see only this process's real rows (each
+        tensor argument of ``update`` / ``forward`` whose first dimension is the batch size is cut; a process with
+        none skips the update, and ``forward`` returns NaN there). An update with no such tensor (one row per
+        token) is a `TaskError` on every process after the pass. A plain value logged from that batch includes
+        the copies: count it with ``accelerator.gather_for_metrics``.
 
         Args:
             name (`str`): the metric name, e.g. ``"val/accuracy"``.
@@ -263,7 +272,8 @@ class TaskModule:
         Raises:
             RuntimeError: called outside ``Engine.fit``, ``validate`` or ``predict``.
             TaskError: a bad name, value, weight or reduction (also a `TypeError` / `ValueError`); at the
-                reduction, a metric whose compute fails or gives more than one number.
+                reduction, a metric whose compute fails or gives more than one number, or an update of a padded
+                last validation batch that cannot be cut to the real rows.
         """
         log_to_active_run(name, value, weight, reduce)
 
