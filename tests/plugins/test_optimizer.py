@@ -21,6 +21,7 @@ from torchloom.testing import TinyTask, tiny_fit
 from torchloom_plugins.optimizer import (
     OptimizerConfig,
     OptimizerSwap,
+    create_optimizer,
     decay_split,
     estimate_state_bytes,
     optimizer_state_bytes,
@@ -425,13 +426,20 @@ def test_plugin_without_settings_is_adamw_1e_3():
     assert (plugin.config.name, plugin.config.lr, plugin.config.scheduler) == ("adamw", 1e-3, None)
 
 
-def test_frozen_model_is_a_config_error(tmp_path):
+def test_frozen_model_is_one_clear_error(tmp_path):
+    """A fit stops before any optimizer is built (the engine's check, for the task's optimizer and the plugin's
+    alike); building the plugin's optimizer directly on a frozen model is the plugin's ConfigError."""
+
     class Frozen(TinyTask):
         def configure_model(self):
             return super().configure_model().requires_grad_(False)
 
-    with pytest.raises(torchloom.ConfigError, match="no trainable parameters"):
+    with pytest.raises(
+        torchloom.TaskError, match=r"fit: the model of Frozen.configure_model\(\) \(Linear\) has nothing"
+    ):
         _fit({"name": "adamw"}, Frozen(), tmp_path)
+    with pytest.raises(torchloom.ConfigError, match="no trainable parameters"):
+        create_optimizer(Frozen().configure_model(), OptimizerConfig(name="adamw"))
 
 
 # ------------------------------------------------------------------------------------- memory estimate
