@@ -116,16 +116,36 @@ def test_the_files_on_disk(tmp_path):
     document = json.loads((tmp_path / "ema.json").read_text(), parse_constant=pytest.fail)
     assert document == {
         "format": "torchloom.plugin_state",
-        "version": 1,
+        "version": 2,
         "plugin": "ema",
         "state": {
             "steps": 3,
             "shadow": [{"__tensor__": "shadow.0"}, {"__tensor__": "shadow.1"}],
-            "scale": {"__float__": "nan"},
+            "scale": {"__float__": "NaN"},
         },
     }
     tensors = load_file(tmp_path / "ema.safetensors")
     assert sorted(tensors) == ["shadow.0", "shadow.1"] and torch.equal(tensors["shadow.0"], torch.ones(2))
+
+
+def test_a_string_that_names_a_non_finite_float_stays_a_string(tmp_path):
+    """The tag keeps the float NaN apart from the string "NaN" (the user-facing files cannot: they hold numbers)."""
+    state = {"as_float": [math.nan, math.inf, -math.inf], "as_text": ["NaN", "Infinity", "-Infinity", "nan"]}
+    torchloom.save_plugin_state([Stateful(state=state)], tmp_path)
+    fresh = Stateful()
+    torchloom.load_plugin_state([fresh], tmp_path)
+    assert same(fresh.loaded[0], state)
+
+
+def test_version_1_files_still_load(tmp_path):
+    """Version 1 spelt the tagged floats as Python's repr ("nan", "inf", "-inf")."""
+    torchloom.save_plugin_state([Stateful()], tmp_path)
+    (tmp_path / "counter.json").write_text(
+        HEADER + '"state": {"x": [{"__float__": "nan"}, {"__float__": "inf"}, {"__float__": "-inf"}], "s": "nan"}}'
+    )
+    fresh = Stateful()
+    torchloom.load_plugin_state([fresh], tmp_path)
+    assert same(fresh.loaded[0], {"x": [math.nan, math.inf, -math.inf], "s": "nan"})
 
 
 def test_a_state_without_tensors_still_writes_both_files(tmp_path):
@@ -294,6 +314,11 @@ HEADER = '{"format": "torchloom.plugin_state", "version": 1, "plugin": "counter"
         ('{"format": "torchloom.plugin_state", "version": 99, "plugin": "counter", "state": {}}', "version 99"),
         (HEADER + '"state": {"x": {"__float__": 1}}}', "has the float 1; expected 'nan', 'inf' or '-inf'"),
         (HEADER + '"state": {"x": {"__tensor__": []}}}', r"has no tensor \[\]"),
+        (
+            HEADER.replace('"version": 1', '"version": 2') + '"state": {"x": {"__float__": "nan"}}}',
+            "has the float 'nan'; expected 'NaN', 'Infinity' or '-Infinity'",
+        ),
+        ('{"format": "torchloom.plugin_state", "version": [2], "plugin": "counter", "state": {}}', r"version \[2\]"),
     ],
 )
 def test_a_json_file_that_is_not_this_plugins_state_is_an_error(tmp_path, text, message):

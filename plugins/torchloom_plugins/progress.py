@@ -38,7 +38,6 @@ Method card
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import time
@@ -545,21 +544,13 @@ def _info_lines(summary: dict[str, Any]) -> list[str]:
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
     """Write ``data`` as strict JSON (a non-finite number as the string ``"NaN"`` / ``"Infinity"`` /
-    ``"-Infinity"``, as in ``metrics.jsonl``) atomically (`torchloom.write_atomically`).
+    ``"-Infinity"``, as in ``metrics.jsonl``: `torchloom.json_dumps`) atomically (`torchloom.write_atomically`).
 
     Raises:
         RunFileError: the file cannot be written (the message names it and the OS error).
     """
-    text = json.dumps(_strict(data), indent=2, allow_nan=False) + "\n"
+    text = torchloom.json_dumps(data, indent=2) + "\n"
     try:
         torchloom.write_atomically(path, text)  # readers see no file or the whole file
     except OSError as exc:
         raise torchloom.RunFileError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
-
-
-def _strict(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return value

@@ -43,6 +43,7 @@ _EXPORTS = {
     "hookspec": "torchloom.hookspecs",
     "inspect_path": "torchloom._inspect",
     "installed_plugins": "torchloom.plugins",
+    "json_dumps": "torchloom._strict_json",
     "load_plugin_state": "torchloom.state",
     "request_stop": "torchloom._logging",
     "save_checkpoint": "torchloom.checkpoint",
@@ -78,6 +79,7 @@ __all__ = [
     "hookspec",
     "inspect_path",
     "installed_plugins",
+    "json_dumps",
     "load_plugin_state",
     "request_stop",
     "save_checkpoint",
@@ -105,6 +107,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._inspect import inspect_path
     from torchloom._logging import request_stop
     from torchloom._memory_plan import estimate_memory
+    from torchloom._strict_json import json_dumps
     from torchloom.checkpoint import delete_checkpoint, save_checkpoint
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchloom import _strict_json
 from torchloom._layout import is_run_dir
 from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_files
 from torchloom.errors import CheckpointError, ConfigError
@@ -35,7 +36,6 @@ __all__ = [
     "parameter_counts",
     "resolve_weights",
     "safetensors_summary",
-    "strict_json",
     "weight_files",
 ]
 
@@ -118,17 +118,7 @@ def model_card(
         "config": run_config,
         "libraries": libraries,
     }
-    return strict_json(card)
-
-
-def strict_json(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value).replace("inf", "Infinity").replace("nan", "NaN")
-    if isinstance(value, Mapping):
-        return {str(k): strict_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict_json(v) for v in value]
-    return value
+    return _strict_json.encode(card)
 
 
 # ------------------------------------------------------------------------------------------- weight files

@@ -16,11 +16,11 @@ from typing import Any
 
 import yaml
 
+from torchloom import _strict_json
 from torchloom._export import (
     MODEL_CARD,
     is_exported_model,
     safetensors_summary,
-    strict_json,
     weight_files,
 )
 from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
@@ -82,7 +82,7 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"metrics.jsonl) or an exported model (model.safetensors, model.safetensors.index.json or a .safetensors "
             f"file){hint}"
         )
-    return strict_json(info)
+    return _strict_json.encode(info)
 
 
 def _empty(root: Path, kind: str) -> dict[str, Any]:
@@ -221,5 +221,5 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             continue
         if isinstance(record, dict):
-            records.append({k: float(v) if v in ("NaN", "Infinity", "-Infinity") else v for k, v in record.items()})
+            records.append({k: _strict_json.read_number(v) for k, v in record.items()})
     return records

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import math
 import os
 import shutil
 from collections.abc import Mapping
@@ -27,6 +25,7 @@ from torchloom._export import MODEL_CARD, model_card
 from torchloom._guards import check_finite_parameters
 from torchloom._layout import CHECKPOINTS_DIR, LATEST, RUN_DIR, run_directories
 from torchloom._logging import active_run_log
+from torchloom._strict_json import json_dumps
 from torchloom.errors import RunFileError
 from torchloom.hookspecs import hookimpl
 
@@ -139,7 +138,7 @@ def write_model_card(directory: str, run: Any) -> str:
     model = run.accelerator.unwrap_model(run.model)
     card = model_card(model, run_config, metrics, last.get("step"), last.get("epoch"))
     path = os.path.join(directory, MODEL_CARD)
-    _replace_atomically(path, json.dumps(card, indent=1, allow_nan=False) + "\n")
+    _replace_atomically(path, json_dumps(card, indent=1) + "\n")
     return path
 
 
@@ -157,7 +156,7 @@ def write_predictions(run_dir: str, predictions: list[Any], accelerator: Any) ->
     name = (
         "predictions.jsonl" if accelerator.num_processes == 1 else f"predictions.rank{accelerator.process_index}.jsonl"
     )
-    rows = [json.dumps(row) for outputs in predictions for row in _prediction_rows(outputs)]
+    rows = [json_dumps(row) for outputs in predictions for row in _prediction_rows(outputs)]
     path = os.path.join(run_dir, name)
     _write(path, "".join(f"{row}\n" for row in rows))
     return path
@@ -267,13 +266,7 @@ class MetricsFile:
         record = {"step": progress.global_step, "epoch": progress.epoch, **metrics}
         # Strict JSON: a non-finite value (a NaN loss, an fp16 overflow's inf gradient norm) is written as the
         # string "NaN" / "Infinity" / "-Infinity", which float() reads back.
-        record = {
-            k: v
-            if not isinstance(v, float) or math.isfinite(v)
-            else str(v).replace("inf", "Infinity").replace("nan", "NaN")
-            for k, v in record.items()
-        }
-        line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+        line = (json_dumps(record) + "\n").encode("utf-8")
         try:
             if self._file is None:  # unbuffered: nothing is left in a buffer to flush after a failed write
                 self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in teardown)

@@ -47,6 +47,7 @@ from torchloom import _atomic as atomic
 from torchloom._atomic import temporary_path
 from torchloom._data_position import DataOrder, layout_problems
 from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
+from torchloom._strict_json import json_dumps
 from torchloom.errors import CheckpointError, RunFileError
 from torchloom.state import _stateful, load_plugin_state, save_plugin_state
 
@@ -157,7 +158,7 @@ def write_checkpoint(
         if failure is None and main:  # every process's files are complete
             try:
                 manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics)
-                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+                (tmp / MANIFEST).write_text(json_dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
                 _fsync_tree(tmp)
                 os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
                 _fsync_dir(final.parent)

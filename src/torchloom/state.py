@@ -20,9 +20,11 @@ On disk
 Each stateful plugin gets two files in ``directory``, named after the plugin:
 
 - ``<name>.safetensors``: the tensors, under their path in the state (``shadow.3``);
-- ``<name>.json``: ``{"format": "torchloom.plugin_state", "version": 1, "plugin": <name>, "state": ...}``,
-  where the state has every tensor replaced by ``{"__tensor__": "<key in the safetensors file>"}`` and every
-  non-finite float by ``{"__float__": "nan" | "inf" | "-inf"}``.
+- ``<name>.json``: ``{"format": "torchloom.plugin_state", "version": 2, "plugin": <name>, "state": ...}``,
+  strict JSON, where the state has every tensor replaced by ``{"__tensor__": "<key in the safetensors file>"}``
+  and every non-finite float by ``{"__float__": "NaN" | "Infinity" | "-Infinity"}``: the names every torchloom
+  file uses for them (`torchloom._strict_json`), in a tag, so that a state's string ``"NaN"`` stays a string.
+  Version 1 spelt them ``"nan" | "inf" | "-inf"``; it still loads.
 
 Loading reads these two files with ``safetensors.torch.load_file`` and ``json`` and nothing else: no pickle,
 no ``torch.load``, so a planted file (Accelerate's ``custom_checkpoint_0.pkl``, say) is never executed.
@@ -43,6 +45,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from torchloom import _strict_json
 from torchloom._atomic import write_atomically
 from torchloom.errors import PluginError
 from torchloom.plugins import plugin_name
@@ -50,9 +53,10 @@ from torchloom.plugins import plugin_name
 __all__ = ["load_plugin_state", "save_plugin_state"]
 
 FORMAT = "torchloom.plugin_state"
-VERSION = 1
-_TENSOR, _FLOAT = "__tensor__", "__float__"  # the JSON tags: one-key dicts the state itself may not contain
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+VERSION = 2
+_TENSOR, _FLOAT = "__tensor__", _strict_json.FLOAT_TAG  # the JSON tags: one-key dicts the state may not contain
+#: The names of the non-finite floats by the version that wrote them (version 1 wrote Python's repr).
+_NONFINITE = {1: {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}, 2: _strict_json.NONFINITE}
 _PLAIN = (str, int, float, bool, type(None))
 _CONTRACT = "plugin state holds only tensors, str, int, float, bool, None, and dicts (str keys) and lists of these"
 
@@ -185,7 +189,7 @@ def _encode(name: str, state: Any, copy: bool) -> tuple[Any, dict[str, torch.Ten
             tensors[unique] = _host_copy(value, storages) if copy else value
             return {_TENSOR: unique}
         if type(value) is float:
-            return value if math.isfinite(value) else {_FLOAT: repr(value)}
+            return value if math.isfinite(value) else _strict_json.tag(value)
         if type(value) in _PLAIN:
             return value
         if isinstance(value, dict | list | tuple):  # subclasses too (OrderedDict); they load as dict / list
@@ -237,10 +241,11 @@ def _read(name: str, root: Path, plugin: Any) -> Any:
         raise PluginError(f"{name}: {str(json_path)!r} is not valid JSON ({exc})") from None
     if not (isinstance(document, dict) and document.get("format") == FORMAT and "state" in document):
         raise PluginError(f'{name}: {str(json_path)!r} is not torchloom plugin state (no "format": {FORMAT!r})')
-    if document.get("version") != VERSION or document.get("plugin") != name:
+    version = document.get("version")
+    if not (type(version) is int and version in _NONFINITE) or document.get("plugin") != name:
         raise PluginError(
-            f"{name}: {str(json_path)!r} holds version {document.get('version')!r} state of plugin "
-            f"{document.get('plugin')!r}; expected version {VERSION} of {name!r}"
+            f"{name}: {str(json_path)!r} holds version {version!r} state of plugin "
+            f"{document.get('plugin')!r}; expected version {' or '.join(map(str, _NONFINITE))} of {name!r}"
         )
     try:
         tensors = load_file(tensor_path, device="cpu")
@@ -260,12 +265,11 @@ def _read(name: str, root: Path, plugin: Any) -> Any:
                     )
                 used.add(saved_key)
                 return tensors[saved_key].to(devices.get(key, "cpu"))
-            if len(node) == 1 and _FLOAT in node:
-                if not isinstance(node[_FLOAT], str) or node[_FLOAT] not in _NONFINITE:
-                    raise PluginError(
-                        f"{name}: {str(json_path)!r} has the float {node[_FLOAT]!r}; expected 'nan', 'inf' or '-inf'"
-                    )
-                return _NONFINITE[node[_FLOAT]]
+            if _strict_json.is_tag(node):
+                try:
+                    return _strict_json.untag(node, _NONFINITE[version])
+                except ValueError as exc:
+                    raise PluginError(f"{name}: {str(json_path)!r} has {exc}") from None
             return {k: build(v, f"{key}.{k}" if key else k) for k, v in node.items()}
         if isinstance(node, list):
             return [build(v, f"{key}.{i}" if key else str(i)) for i, v in enumerate(node)]
@@ -303,7 +307,7 @@ def _write(root: Path, name: str, tree: Any, tensors: dict[str, torch.Tensor]) -
     is the one that names them."""
     write_atomically(root / f"{name}.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     document = {"format": FORMAT, "version": VERSION, "plugin": name, "state": tree}
-    write_atomically(root / f"{name}.json", json.dumps(document, allow_nan=False, ensure_ascii=False) + "\n")
+    write_atomically(root / f"{name}.json", _strict_json.json_dumps(document, ensure_ascii=False) + "\n")
 
 
 def _type_name(value: Any) -> str:
