@@ -90,7 +90,7 @@ def test_print_config_shows_the_resolved_config_and_exits(project: Path) -> None
     ("override", "expected"),
     [
         ('--plugins={"grad_acum": {}}', "unknown plugin 'grad_acum'. Did you mean 'grad_accum'?"),
-        ("--engine.max_epochs=0", "engine setting 'max_epochs': got 0; expected a positive integer"),
+        ("--engine.max_epochs=0", "engine: setting 'max_epochs' = 0; expected a positive integer"),
         ("--resume", "/run': no such file or directory"),  # no run has written output_dir yet
         ("--resume=nowhere", "cannot resume from 'nowhere': no such file or directory"),
         ("--reset_optimizer", "--reset_optimizer applies to a resumed fit; add --resume [PATH]"),

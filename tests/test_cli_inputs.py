@@ -286,7 +286,7 @@ BAD_FILES = {
     "bad plugins": ("task: {class_path: torchloom.testing.TinyTask}\nplugins: grad_clip\n", ["got the string"]),
     "bad engine value": (
         "engine: {max_epochs: 0}\ntask: {class_path: torchloom.testing.TinyTask}\n",
-        ["engine setting 'max_epochs': got 0; expected a positive integer"],
+        ["engine: setting 'max_epochs' = 0; expected a positive integer"],
     ),
     "bad plugin setting": (
         "task: {class_path: torchloom.testing.TinyTask}\nplugins: {grad_clip: {max_norm: -1}}\n",

@@ -577,7 +577,8 @@ def test_validate_without_data_is_a_clear_error(tmp_path):
 
 def test_unknown_engine_setting_is_a_clear_error():
     with pytest.raises(
-        torchloom.ConfigError, match=r"unknown engine setting 'max_epoch'; valid settings: .*max_epochs"
+        torchloom.ConfigError,
+        match=r"^engine: unknown setting 'max_epoch'; did you mean 'max_epochs'\? Valid settings: max_epochs, ",
     ):
         torchloom.Engine(max_epoch=2)
 

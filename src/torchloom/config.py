@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torchloom.errors import ConfigError
+from torchloom._settings import build_settings, check_fields, invalid
 
 __all__ = ["EngineConfig"]
+
+#: The owner named by every error of an engine setting (`torchloom._settings`: one shape for every setting).
+OWNER = "engine"
 
 #: The values of `EngineConfig.nonfinite_loss`.
 NONFINITE_POLICIES = ("error", "skip", "ignore")
@@ -47,7 +50,8 @@ class EngineConfig:
             overflows are not affected: the loss scaler skips those steps itself.
 
     Raises:
-        ConfigError: if a count is not positive.
+        ConfigError: a setting of the wrong type (by its annotation) or out of range, one message of the shape
+            every setting's error has: ``engine: setting 'max_epochs' = 0; expected a positive integer``.
     """
 
     max_epochs: int = 1
@@ -61,42 +65,35 @@ class EngineConfig:
     nonfinite_loss: str = "error"
 
     @classmethod
-    def from_settings(cls, settings: dict[str, object]) -> EngineConfig:
-        """Build from ``{field: value}``.
+    def from_settings(cls, settings: Mapping[str, object] | None) -> EngineConfig:
+        """Build from ``{field: value}``, as `torchloom.build_config` builds a plugin's settings (one path,
+        `torchloom._settings.build_settings`): unknown names, then types, then the ranges below.
 
         Raises:
-            ConfigError: an unknown field (naming the valid ones), or a bad value.
+            ConfigError: an unknown setting (``engine: unknown setting 'max_epoch'; did you mean 'max_epochs'?
+                Valid settings: ...``), or a bad value.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise ConfigError(f"unknown engine setting {unknown[0]!r}; valid settings: {', '.join(sorted(known))}")
-        return cls(**settings)  # type: ignore[arg-type]
+        output_dir = settings.get("output_dir") if isinstance(settings, Mapping) else None
+        if isinstance(output_dir, os.PathLike):  # a path object, as __post_init__ takes it
+            settings = {**settings, "output_dir": os.fspath(output_dir)}  # type: ignore[dict-item]
+        config: EngineConfig = build_settings(cls, settings, owner=OWNER)
+        return config
 
     def __post_init__(self) -> None:
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"engine setting 'seed': got {self.seed!r}; expected an integer or null")
         if isinstance(self.output_dir, os.PathLike):
             self.output_dir = os.fspath(self.output_dir)
-        if not isinstance(self.output_dir, str) or not self.output_dir:
-            raise ConfigError(f"engine setting 'output_dir': got {self.output_dir!r}; expected a directory path")
-        if not isinstance(self.save_model, bool):
-            raise ConfigError(f"engine setting 'save_model': got {self.save_model!r}; expected true or false")
-        for field in ("max_epochs", "log_every_n_steps"):
-            _check_positive(field, getattr(self, field))
+        check_fields(self, OWNER)  # the types, by the annotations above
+        for field in ("max_epochs", "log_every_n_steps", "max_steps", "val_check_interval"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise invalid(field, value, "a positive integer", owner=OWNER)
+        if not self.output_dir:
+            raise invalid("output_dir", self.output_dir, "a directory path", owner=OWNER)
         if self.nonfinite_loss not in NONFINITE_POLICIES:
-            raise ConfigError(
-                f"engine setting 'nonfinite_loss': got {self.nonfinite_loss!r}; expected one of "
-                f"{', '.join(map(repr, NONFINITE_POLICIES))}"
-            )
-        n = self.num_sanity_val_steps
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"engine setting 'num_sanity_val_steps': got {n!r}; expected an integer >= 0")
-        for field in ("max_steps", "val_check_interval"):
-            if getattr(self, field) is not None:
-                _check_positive(field, getattr(self, field))
+            raise invalid("nonfinite_loss", self.nonfinite_loss, _one_of(NONFINITE_POLICIES), owner=OWNER)
+        if self.num_sanity_val_steps < 0:
+            raise invalid("num_sanity_val_steps", self.num_sanity_val_steps, "an integer >= 0", owner=OWNER)
 
 
-def _check_positive(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"engine setting {field!r}: got {value!r}; expected a positive integer")
+def _one_of(values: tuple[str, ...]) -> str:
+    return f"one of {', '.join(map(repr, values))}"

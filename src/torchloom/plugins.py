@@ -12,20 +12,17 @@ be enabled or listed at all.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-import traceback
-import types
-import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar
 
 import pluggy
 
 from torchloom import hookspecs
+from torchloom._settings import build_settings
 from torchloom._suggest import closest
 from torchloom.errors import ConfigError, PluginError
 
@@ -102,6 +99,11 @@ class Plugin:
 def build_config(plugin_cls: type, settings: Mapping[str, Any] | None) -> Any:
     """Build and validate ``plugin_cls.Config`` from a mapping of settings (from YAML or Python).
 
+    The one settings check of torchloom (`torchloom._settings.build_settings`, which `EngineConfig` uses too):
+    unknown names first (with the closest valid one), then each value's type by the field's annotation, then
+    the Config's own ``__post_init__`` checks; every failure is one `ConfigError` that starts with
+    ``plugin '<name>': ``.
+
     Args:
         plugin_cls (`type`): a plugin class with a ``Config`` dataclass and a ``name``.
         settings (`Mapping[str, Any]`, *optional*): field name -> value; ``None`` means all defaults.
@@ -117,100 +119,7 @@ def build_config(plugin_cls: type, settings: Mapping[str, Any] | None) -> Any:
     config_cls = getattr(plugin_cls, "Config", NoConfig)
     if isinstance(settings, config_cls):
         return settings
-    if settings is None:
-        settings = {}
-    fields = {f.name: f for f in dataclasses.fields(config_cls) if f.init}
-    if not isinstance(settings, Mapping):
-        raise ConfigError(
-            f"plugin {name!r}: settings {settings!r} ({type(settings).__name__}); expected a mapping "
-            f"{{setting: value}}. Valid settings: {', '.join(fields) or '(none)'}"
-        )
-    hints = typing.get_type_hints(config_cls)
-    values = {}
-    for key, value in settings.items():
-        if key not in fields:
-            close = closest(key, fields)
-            hint = f"; did you mean {close!r}?" if close else ""
-            raise ConfigError(
-                f"plugin {name!r}: unknown setting {key!r}{hint} Valid settings: {', '.join(fields) or '(none)'}"
-            )
-        ok, coerced = _check_type(value, hints.get(key, Any))
-        if not ok:
-            raise ConfigError(
-                f"plugin {name!r}: setting {key!r} = {value!r} ({type(value).__name__}); "
-                f"expected {_type_name(hints.get(key, Any))}"
-            )
-        values[key] = coerced
-    try:
-        return config_cls(**values)
-    except Exception as exc:  # a settings class may check with assert, or raise anything: one ConfigError
-        raise ConfigError(f"plugin {name!r}: {_rejection(exc, config_cls, values)}") from None
-
-
-def _rejection(exc: Exception, config_cls: type, values: Mapping[str, Any]) -> str:
-    """What a settings class said when it rejected ``values``: its message when it raised a `ValueError` or
-    `TypeError` with one (the documented way), else the exception type and the failing line of the class."""
-    message = " ".join(str(exc).split())
-    if isinstance(exc, ValueError | TypeError) and message:
-        return message
-    given = ", ".join(f"{k}={v!r}" for k, v in values.items()) or "the defaults"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.name != "<module>"]
-    check = f" at `{frames[-1].line}`" if frames and frames[-1].line else ""
-    return (
-        f"{config_cls.__qualname__} rejected the settings ({given}): "
-        f"{type(exc).__name__}{check}{': ' + message if message else ''}"
-    )
-
-
-def _check_type(value: Any, tp: Any) -> tuple[bool, Any]:
-    """Return (value matches tp, value coerced: int -> float, list -> tuple)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any or tp is object:
-        return True, value
-    if origin is Literal:
-        return value in args, value
-    if origin is Union or origin is types.UnionType:
-        for arm in args:
-            ok, coerced = _check_type(value, arm)
-            if ok:
-                return True, coerced
-        return False, value
-    if tp is type(None):
-        return value is None, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
-    if tp is str:
-        return isinstance(value, str), value
-    if origin in (list, tuple, Sequence) or tp in (list, tuple):
-        if isinstance(value, str) or not isinstance(value, list | tuple):
-            return False, value
-        item_tp = args[0] if args else Any
-        items = []
-        for item in value:
-            ok, coerced = _check_type(item, item_tp)
-            if not ok:
-                return False, value
-            items.append(coerced)
-        return True, tuple(items) if origin is tuple or tp is tuple else items
-    if origin in (dict, Mapping) or tp is dict:
-        return isinstance(value, Mapping), value
-    if isinstance(tp, type):
-        return isinstance(value, tp), value
-    return True, value
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
+    return build_settings(config_cls, settings, owner=f"plugin {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------- discovery
