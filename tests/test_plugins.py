@@ -490,3 +490,17 @@ def test_exception_in_a_hook_has_a_note_naming_plugin_and_hook(tmp_path, hook):
     notes = getattr(info.value, "__notes__", [])
     assert f"torchloom: raised in hook {hook!r} of plugin 'exploder'" in notes
     assert not any("bystander" in note for note in notes)
+
+
+def test_every_builtin_settings_class_has_a_distinct_name_ending_in_config():
+    """A settings object is a ``*Config`` (DESIGN: "settings objects are `*Config`"), and no two built-in plugins
+    share a settings class name (``from ... import CheckpointConfig`` must say which plugin's)."""
+    import importlib.metadata
+
+    eps = [ep for ep in importlib.metadata.distribution("torchloom").entry_points if ep.group == "torchloom.plugins"]
+    names: dict[str, list[str]] = {}
+    for ep in eps:
+        config = ep.load().Config
+        assert config.__name__.endswith("Config"), f"plugin {ep.name!r}: settings class {config.__name__}"
+        names.setdefault(config.__name__, []).append(ep.name)
+    assert len(eps) >= 12 and {n: p for n, p in names.items() if len(p) > 1} == {}

@@ -36,13 +36,13 @@ from torch.utils.checkpoint import checkpoint
 import torchloom
 from torchloom import ConfigError, PluginError
 
-__all__ = ["CheckpointConfig", "GradientCheckpointing", "checkpoint_modules", "checkpoint_use_reentrant"]
+__all__ = ["GradientCheckpointing", "GradientCheckpointingConfig", "checkpoint_modules", "checkpoint_use_reentrant"]
 
 _SETTINGS_ATTR = "_torchloom_checkpoint"  # set on each module whose forward we checkpoint
 
 
 @dataclass
-class CheckpointConfig:
+class GradientCheckpointingConfig:
     """Settings of the ``grad_checkpoint`` plugin.
 
     Args:
@@ -212,7 +212,7 @@ class GradientCheckpointing(torchloom.Plugin):
     """Enables activation checkpointing on the model before it is prepared.
 
     Args:
-        config (`CheckpointConfig`, *optional*): ready-made settings, or pass them as keywords.
+        config (`GradientCheckpointingConfig`, *optional*): ready-made settings, or pass them as keywords.
 
     Raises:
         ConfigError: at ``configure_model``, a ``modules`` entry that matches nothing.
@@ -228,9 +228,9 @@ class GradientCheckpointing(torchloom.Plugin):
     """
 
     name = "grad_checkpoint"
-    Config = CheckpointConfig
+    Config = GradientCheckpointingConfig
 
-    def __init__(self, config: CheckpointConfig | None = None, **settings: Any) -> None:
+    def __init__(self, config: GradientCheckpointingConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
         self.checkpointed: list[str] = []
 
@@ -248,3 +248,16 @@ class GradientCheckpointing(torchloom.Plugin):
                 UserWarning,
                 stacklevel=2,
             )
+
+
+def __getattr__(name: str) -> Any:
+    # The settings class was named CheckpointConfig, like the checkpoint plugin's; the old name still imports.
+    if name == "CheckpointConfig":
+        warnings.warn(
+            "torchloom_plugins.grad_checkpoint.CheckpointConfig is now GradientCheckpointingConfig (the checkpoint "
+            "plugin's settings class is torchloom_plugins.checkpoint.CheckpointConfig); import the new name",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return GradientCheckpointingConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -237,3 +237,13 @@ def test_activation_memory_is_lower_with_checkpointing(tmp_path):
     assert ckpt["loss"] == plain["loss"]  # the same step
     assert ckpt["saved_bytes"] < 0.3 * plain["saved_bytes"]
     assert ckpt["peak_bytes"] < 0.8 * plain["peak_bytes"]
+
+
+def test_the_settings_class_has_a_name_of_its_own_and_the_old_one_still_imports():
+    """It was ``CheckpointConfig``, as the checkpoint plugin's is; the old name imports it with a warning."""
+    import torchloom_plugins.grad_checkpoint as module
+    from torchloom_plugins.grad_checkpoint import GradientCheckpointingConfig
+
+    assert GradientCheckpointing.Config is GradientCheckpointingConfig and "CheckpointConfig" not in module.__all__
+    with pytest.warns(DeprecationWarning, match="now GradientCheckpointingConfig"):
+        assert module.CheckpointConfig is GradientCheckpointingConfig
