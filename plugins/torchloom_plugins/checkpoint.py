@@ -43,7 +43,6 @@ import torchloom
 
 __all__ = ["Checkpoint", "CheckpointConfig"]
 
-MODES = ("min", "max")
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -88,8 +87,10 @@ class CheckpointConfig:
                 "settings every_n_steps and every_n_epochs are both null and save_on_interrupt is false: the plugin "
                 "would never save; set one of them"
             )
-        if self.mode not in MODES:
-            raise torchloom.ConfigError(f"setting 'mode' = {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.mode not in torchloom.Monitor.MODES:
+            raise torchloom.ConfigError(
+                f"setting 'mode' = {self.mode!r}; expected one of {', '.join(torchloom.Monitor.MODES)}"
+            )
         if self.keep_best < 1:
             raise torchloom.ConfigError(f"setting 'keep_best' = {self.keep_best!r}; expected an integer >= 1")
         if self.monitor is not None and not self.monitor:

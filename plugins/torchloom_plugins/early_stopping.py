@@ -47,10 +47,6 @@ from torchloom import ConfigError, PluginError
 
 __all__ = ["EarlyStopping", "EarlyStoppingConfig"]
 
-MODES = ("min", "max")
-#: The engine's own logged names start with this; they never reach ``on_log``.
-_INTERNAL_PREFIX = "torchloom/"
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -91,12 +87,12 @@ class EarlyStoppingConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor.strip():
             raise ConfigError(f"setting 'monitor' = {self.monitor!r}: expected a logged name such as 'val/loss'")
-        if self.monitor.startswith(_INTERNAL_PREFIX):
+        if self.monitor.startswith(torchloom.INTERNAL_PREFIX):
             raise ConfigError(
-                f"setting 'monitor' = {self.monitor!r}: names under {_INTERNAL_PREFIX!r} are the engine's own "
+                f"setting 'monitor' = {self.monitor!r}: names under {torchloom.INTERNAL_PREFIX!r} are the engine's own "
                 "checks and never reach on_log; monitor a name the task or a plugin logs"
             )
-        if self.mode not in MODES:
+        if self.mode not in torchloom.Monitor.MODES:
             raise ConfigError(f"setting 'mode' = {self.mode!r}: expected 'min' (lower is better) or 'max'")
         if not _is_int(self.patience) or self.patience < 1:
             raise ConfigError(

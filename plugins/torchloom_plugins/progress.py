@@ -468,7 +468,7 @@ class ProgressBar(torchloom.Plugin):
             "steps_per_s": steps / train_time if train_time > 0 else None,
             "wall_time_s": now - self._started,
             "run_dir": self._run_dir,
-            "model_dir": os.path.join(self._run_dir, "model") if self._save_model else None,
+            "model_dir": os.path.join(self._run_dir, torchloom.MODEL_DIR) if self._save_model else None,
         }
 
     def _validate_summary(self) -> dict[str, Any]:
@@ -486,7 +486,7 @@ class ProgressBar(torchloom.Plugin):
         self.console.print(self._table(summary))
         for line in _info_lines(summary):
             self._say(line)
-        _write_json(os.path.join(summary["run_dir"], "summary.json"), summary)
+        _write_json(os.path.join(summary["run_dir"], torchloom.SUMMARY_FILE), summary)
 
     def _table(self, summary: dict[str, Any]) -> Table:
         fit = summary["stage"] == "fit"

@@ -22,12 +22,15 @@ _EXPORTS = {
     "DataModule": "torchloom.data",
     "Engine": "torchloom.engine",
     "EngineConfig": "torchloom.config",
+    "INTERNAL_PREFIX": "torchloom._names",
     "Plugin": "torchloom.plugins",
     "PluginError": "torchloom.errors",
+    "MODEL_DIR": "torchloom._layout",
     "Monitor": "torchloom.monitor",
     "PluginInfo": "torchloom.plugins",
     "Progress": "torchloom.progress",
     "RunFileError": "torchloom.errors",
+    "SUMMARY_FILE": "torchloom._layout",
     "StepHooks": "torchloom.step",
     "TaskError": "torchloom.errors",
     "TaskModule": "torchloom.module",
@@ -52,6 +55,9 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "INTERNAL_PREFIX",
+    "MODEL_DIR",
+    "SUMMARY_FILE",
     "CheckpointError",
     "ConfigError",
     "DataModule",
@@ -105,8 +111,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._atomic import write_atomically
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
+    from torchloom._layout import MODEL_DIR, SUMMARY_FILE
     from torchloom._logging import request_stop
     from torchloom._memory_plan import estimate_memory
+    from torchloom._names import INTERNAL_PREFIX
     from torchloom._strict_json import json_dumps
     from torchloom.checkpoint import delete_checkpoint, save_checkpoint
     from torchloom.config import EngineConfig

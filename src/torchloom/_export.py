@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from torchloom import _strict_json
-from torchloom._layout import is_run_dir
+from torchloom._layout import MODEL_DIR, is_run_dir
 from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_files
 from torchloom.errors import CheckpointError, ConfigError
 
@@ -280,7 +280,7 @@ def resolve_weights(path: str | os.PathLike[str]) -> tuple[str, str]:
     root, shown = Path(path), os.fspath(path)
     if not root.exists():
         raise ConfigError(f"predict: ckpt_path {shown!r}: no such file or directory; expected {PREDICT_WEIGHTS}")
-    for model in (root, root / "model") if is_run_dir(root) else (root,):
+    for model in (root, root / MODEL_DIR) if is_run_dir(root) else (root,):
         if is_exported_model(model) and not (root / MANIFEST).is_file():
             try:
                 check_weight_files(model)

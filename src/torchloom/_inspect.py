@@ -23,7 +23,7 @@ from torchloom._export import (
     safetensors_summary,
     weight_files,
 )
-from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
+from torchloom._layout import CHECKPOINTS_DIR, MODEL_DIR, SUMMARY_FILE, is_run_dir, run_directories
 from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest
 from torchloom.errors import ConfigError
 
@@ -157,7 +157,7 @@ def _run(root: Path) -> dict[str, Any]:
     for path in list_checkpoints(root):
         manifest = read_manifest(path)
         checkpoints.append({"path": path, "global_step": manifest.get("global_step"), "epoch": manifest.get("epoch")})
-    model_dir = root / "model"
+    model_dir = root / MODEL_DIR
     if is_exported_model(model_dir):  # the final weights of a completed fit
         source = _model(model_dir)
     elif checkpoints:
@@ -176,7 +176,7 @@ def _run(root: Path) -> dict[str, Any]:
     records = _read_records(root / "metrics.jsonl")
     if records:
         info["global_step"], info["epoch"] = records[-1].get("step"), records[-1].get("epoch")
-    summary = _read_json(root / "summary.json")
+    summary = _read_json(root / SUMMARY_FILE)
     if summary is not None and isinstance(summary.get("metrics"), dict):
         info["metrics"] = {name: entry.get("last") for name, entry in summary["metrics"].items()}
     else:  # the latest value of every name, as Engine.logged_metrics holds them

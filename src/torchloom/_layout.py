@@ -8,7 +8,16 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["CHECKPOINTS_DIR", "LATEST", "RUN_DIR", "RUN_FILES", "is_run_dir", "run_directories"]
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "LATEST",
+    "MODEL_DIR",
+    "RUN_DIR",
+    "RUN_FILES",
+    "SUMMARY_FILE",
+    "is_run_dir",
+    "run_directories",
+]
 
 #: A run directory's name: ``group(1)`` is its number.
 RUN_DIR = re.compile(r"version_(\d+)")
@@ -16,6 +25,12 @@ RUN_DIR = re.compile(r"version_(\d+)")
 LATEST = "latest"
 #: The folder of a run directory that holds its checkpoints.
 CHECKPOINTS_DIR = "checkpoints"
+MODEL_DIR = "model"
+"""The folder of a run directory that a completed fit saves its model in (``<run_dir>/model``, with the engine
+setting ``save_model: true``); ``predict(ckpt_path=<run_dir>)`` and ``torchloom inspect`` read it."""
+SUMMARY_FILE = "summary.json"
+"""The file of a run directory with each logged value's last and best value and the run's timings, written at the
+end of a completed ``fit`` or ``validate`` (by the ``progress`` plugin); ``torchloom inspect`` reads it."""
 #: What a run directory holds from the moment its run started (at least one of them).
 RUN_FILES = ("config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)
 

@@ -8,12 +8,13 @@ import torch
 from accelerate.utils import gather_object
 
 from torchloom._metric_sync import even_list_states, gather_states, has_list_state, uneven
+from torchloom._names import INTERNAL_PREFIX
 from torchloom.errors import TaskError
 
 __all__ = ["REDUCTIONS", "WEIGHT_PREFIX", "LogBuffer", "compute_metric"]
 
 #: The prefix of a summed weight that `LogBuffer.reduce` returns on request (an internal name of the engine's).
-WEIGHT_PREFIX = "torchloom/weight/"
+WEIGHT_PREFIX = INTERNAL_PREFIX + "weight/"
 #: How the values of one name are combined over an interval and over the ranks (``log(..., reduce=...)``).
 #: ``mean`` is weighted by ``weight``; ``last`` keeps the latest value of the interval, from the main process.
 REDUCTIONS = ("mean", "sum", "max", "min", "last")

@@ -16,11 +16,10 @@ from typing import Any
 import torch
 
 from torchloom._logbuffer import LogBuffer
+from torchloom._names import INTERNAL_PREFIX
 
 __all__ = ["INTERNAL_PREFIX", "RunLog", "active_run_log", "log_to_active_run", "request_stop"]
 
-#: Names under this prefix are the engine's own checks: reduced with the rest, never reported.
-INTERNAL_PREFIX = "torchloom/"
 
 _ACTIVE: ContextVar[RunLog | None] = ContextVar("torchloom_active_run_log", default=None)
 

@@ -23,7 +23,7 @@ from accelerate.utils import broadcast_object_list
 from torchloom._atomic import atomic_directory, remove_orphans, temporary_path, write_atomically, write_failure
 from torchloom._export import MODEL_CARD, model_card
 from torchloom._guards import check_finite_parameters
-from torchloom._layout import CHECKPOINTS_DIR, LATEST, RUN_DIR, run_directories
+from torchloom._layout import CHECKPOINTS_DIR, LATEST, MODEL_DIR, RUN_DIR, run_directories
 from torchloom._logging import active_run_log
 from torchloom._strict_json import json_dumps
 from torchloom.errors import RunFileError
@@ -88,7 +88,7 @@ def finish_fit(task: Any, run: Any, config: Any) -> None:
     if config.save_model:
         if config.nonfinite_loss != "ignore":
             check_finite_parameters(run.model.parameters(), acc, "it is not saved")
-        path = os.path.join(run.run_dir, "model")
+        path = os.path.join(run.run_dir, MODEL_DIR)
         pid = [os.getpid()]
         if acc.num_processes > 1:
             broadcast_object_list(pid)  # every process passes the main process's temporary directory

@@ -17,6 +17,7 @@ import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping
+from typing import ClassVar
 
 from torchloom._suggest import closest
 from torchloom.errors import ConfigError
@@ -70,6 +71,10 @@ class Monitor:
     `warn_if_never_logged` in ``on_fit_end`` of a completed fit (main process). See "Watching a logged value" in
     ``docs/writing-plugins.md``.
 
+    Class attributes:
+        MODES (`tuple[str, ...]`): the valid values of ``mode``, ``("min", "max")``, for a plugin's own check of
+            its ``mode`` setting.
+
     Args:
         plugin (`str`): the plugin's name; every message starts with it.
         name (`str`): the logged name to watch (``"val/loss"``), as it appears in ``engine.history``.
@@ -104,6 +109,8 @@ class Monitor:
         steps (`list[int]`): the steps at which the watched name was logged since `start`.
         uses (`list[tuple[int, bool]]`): ``(step, fresh)`` for each `use` since `start`.
     """
+
+    MODES: ClassVar[tuple[str, ...]] = MODES
 
     def __init__(self, plugin: str, name: str, mode: str = "min", *, min_delta: float = 0.0, setting: str = "monitor"):
         if mode not in MODES:
