@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.state import PartialState
 from accelerate.utils import DataLoaderConfiguration, str_to_bool
 
+from torchloom._internals import reset_accelerate_state
 from torchloom.config import EngineConfig
 from torchloom.errors import ConfigError, PluginError
 from torchloom.plugins import HookRelay
@@ -72,8 +73,7 @@ def build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
     # AcceleratorState is a per-process singleton: clear the previous run's settings (mixed precision,
     # accumulation) so that several engines can run one after another in one process. The process group
     # (PartialState) is kept.
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
+    reset_accelerate_state()
     try:
         accelerator = Accelerator(**kwargs)
     except (TypeError, ValueError) as exc:

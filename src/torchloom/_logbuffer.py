@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
+from torchloom._internals import metric_is_synced
 from torchloom._metric_sync import even_list_states, gather_states, has_list_state, uneven
 from torchloom._names import INTERNAL_PREFIX
 from torchloom.errors import TaskError
@@ -306,7 +307,7 @@ def compute_metric(name: str, metric: Any) -> float:
     try:
         value = metric.compute()
     except Exception as exc:
-        if getattr(metric, "_is_synced", False):
+        if metric_is_synced(metric):
             metric.unsync()
         raise TaskError(f"metric {name!r} ({type(metric).__name__}): compute failed: {exc}") from exc
     finally:

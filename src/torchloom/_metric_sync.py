@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from torchloom._internals import metric_reductions, metric_state_defaults, metric_syncs_on_compute
+
 __all__ = ["even_list_states", "gather_states", "has_list_state", "uneven"]
 
 #: The dtypes a state may have, by code; another dtype gets code -1 (every process must then agree on it).
@@ -46,7 +48,7 @@ _MAX_DIMS = 8
 
 def has_list_state(metric: Any) -> bool:
     """Whether a torchmetrics ``Metric`` keeps a state that is a list of tensors (concatenated at sync)."""
-    return any(isinstance(getattr(metric, name, None), list) for name in getattr(metric, "_defaults", {}))
+    return any(isinstance(getattr(metric, name, None), list) for name in metric_state_defaults(metric))
 
 
 def even_list_states(metric: Any) -> dict[str, int]:
@@ -60,9 +62,9 @@ def even_list_states(metric: Any) -> dict[str, int]:
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return {}
-    if not getattr(metric, "_to_sync", True) or getattr(metric, "dist_sync_fn", None) not in (None, gather_states):
+    if not metric_syncs_on_compute(metric) or getattr(metric, "dist_sync_fn", None) not in (None, gather_states):
         return {}
-    reductions = getattr(metric, "_reductions", {})
+    reductions = metric_reductions(metric)
     names = [n for n, fx in reductions.items() if fx is None and isinstance(getattr(metric, n, None), list)]
     if not names:
         return {}

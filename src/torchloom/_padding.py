@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from accelerate.utils import find_batch_size
 
+from torchloom._internals import loader_at_end, loader_remainder
+
 __all__ = ["batch_size", "real_rows", "real_rows_in_metrics", "take_rows"]
 
 
@@ -32,9 +34,9 @@ def real_rows(loader: Any, accelerator: Any) -> int | None:
         ``None`` when every row is real (one process, not the last batch, no padding, or a dataset without a
         length, where Accelerate cannot know either); else a count in ``[0, per-process batch size]``.
     """
-    if accelerator.num_processes == 1 or not getattr(loader, "end_of_dataloader", False):
+    if accelerator.num_processes == 1 or not loader_at_end(loader):
         return None
-    remainder = getattr(loader, "remainder", -1)
+    remainder = loader_remainder(loader)
     if remainder <= 0 or not accelerator.even_batches:  # even_batches=False: uneven batches, nothing padded
         return None
     per_process = loader.total_batch_size // accelerator.num_processes
