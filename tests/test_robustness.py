@@ -46,7 +46,10 @@ def test_a_multi_entry_mapping_in_a_list_enables_each_in_order():
 
 @pytest.mark.parametrize(
     ("settings", "message"),
-    [({"output_dir": None}, "'output_dir': got None"), ({"save_model": "no"}, "'save_model': got 'no'")],
+    [
+        ({"output_dir": None}, r"^engine: setting 'output_dir' = None \(NoneType\); expected str$"),
+        ({"save_model": "no"}, r"^engine: setting 'save_model' = 'no' \(str\); expected bool$"),
+    ],
 )
 def test_engine_settings_are_type_checked(settings, message):
     with pytest.raises(torchloom.ConfigError, match=message):

@@ -260,7 +260,9 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
 
 def test_nonfinite_loss_setting_is_validated():
-    with pytest.raises(torchloom.ConfigError, match="'nonfinite_loss': got 'warn'; expected one of 'error', 'skip'"):
+    with pytest.raises(
+        torchloom.ConfigError, match="engine: setting 'nonfinite_loss' = 'warn'; expected one of 'error', 'skip'"
+    ):
         torchloom.Engine(nonfinite_loss="warn")
 
 
