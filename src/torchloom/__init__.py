@@ -44,8 +44,10 @@ _EXPORTS = {
     "inspect_path": "torchloom._inspect",
     "installed_plugins": "torchloom.plugins",
     "load_plugin_state": "torchloom.state",
-    "request_stop": "torchloom._logging",
-    "save_checkpoint": "torchloom.checkpoint",
+    "RankAgreement": "torchloom._agreement",
+    "rank_agreement": "torchloom._context",
+    "request_stop": "torchloom._context",
+    "save_checkpoint": "torchloom._context",
     "save_plugin_state": "torchloom.state",
     "write_atomically": "torchloom._atomic",
 }
@@ -61,6 +63,7 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "Progress",
+    "RankAgreement",
     "RunFileError",
     "StepHooks",
     "TaskError",
@@ -79,6 +82,7 @@ __all__ = [
     "inspect_path",
     "installed_plugins",
     "load_plugin_state",
+    "rank_agreement",
     "request_stop",
     "save_checkpoint",
     "save_plugin_state",
@@ -100,12 +104,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from torchloom._agreement import RankAgreement
     from torchloom._atomic import write_atomically
+    from torchloom._context import rank_agreement, request_stop, save_checkpoint
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
-    from torchloom._logging import request_stop
     from torchloom._memory_plan import estimate_memory
-    from torchloom.checkpoint import delete_checkpoint, save_checkpoint
+    from torchloom.checkpoint import delete_checkpoint
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule
     from torchloom.engine import Engine
