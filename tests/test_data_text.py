@@ -263,7 +263,7 @@ def test_second_run_loads_from_the_cache_without_recomputing(files, tmp_path, mo
 
     monkeypatch.setattr(datasets.Dataset, "map", fail)
     monkeypatch.setattr("torchloom.data.text.read_table", fail)
-    monkeypatch.setattr("torchloom.data.text.encode_labels", fail)
+    monkeypatch.setattr("torchloom.data.base.encode_labels", fail)  # where every data module encodes its labels
     second = make_data(*files, cache_dir=tmp_path / "cache", batch_size=4)
     second.prepare_data()
     second.setup("fit")
