@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     )
     from torchloom.data.text import (
         TextClassificationData,
+        TextData,
         load_tokenizer,
         tokenize,
         tokenizer_fingerprint,
@@ -96,6 +97,7 @@ _LAZY = {
     "require_column": "torchloom.data.tables",
     "resolve_label_names": "torchloom.data.tables",
     "TextClassificationData": "torchloom.data.text",
+    "TextData": "torchloom.data.text",
     "load_tokenizer": "torchloom.data.text",
     "tokenize": "torchloom.data.text",
     "tokenizer_fingerprint": "torchloom.data.text",
@@ -111,6 +113,7 @@ __all__ = [
     "ImageTransform",
     "LogMelSpectrogram",
     "TextClassificationData",
+    "TextData",
     "audio_fingerprint",
     "build_feature_extractor",
     "cache_key",

@@ -20,21 +20,22 @@ share:
 
 A subclass supplies its modality:
 
-============================  =====================================================================================
-``read_split(split, source)``  the raw table of one split (a `datasets.Dataset`); errors name the split (`split_name`)
-``cache_settings()``          everything that determines the processed splits, JSON-like; its `cache_key` names the
-                              entry. Start it with a ``"kind"`` that names the class, hash raw data with
-                              `fingerprint`, and include every setting and library version that shapes the output
-``preprocess(split, table)``  the processed split from the raw table (``labels`` already encoded): tokenise; decode,
-                              resize, normalise; decode, resample, featurise
-``format_split(dataset)``     *optional*: the format a set-up split is served in (default: as stored)
-``collate_fn(split)``         *optional*: the dataloader's ``collate_fn`` for ``split`` (default: torch's)
-============================  =====================================================================================
+- ``read_split(split, source)``: the raw table of one split, a `datasets.Dataset` (errors name the split with
+  `split_name`);
+- ``cache_settings()``: everything that determines the processed splits, JSON-like; its `cache_key` names the
+  entry. Start it with a ``"kind"`` naming the class, put raw data in as its `fingerprint` and the label mapping as
+  `class_names`, and include every setting and library version that shapes the output;
+- ``preprocess(split, table)``: the processed split, from the raw table whose labels are already ``labels``
+  (tokenise; decode, resize, normalise; decode, resample, featurise);
+- optionally ``format_split(dataset)``, the format a set-up split is served in (default: as stored), and
+  ``collate_fn(split)``, the dataloader's ``collate_fn`` (default: torch's).
 
 A subclass keeps its own constructor with explicit arguments (config files read the signature), validates its own
 settings, then passes the shared ones to ``super().__init__``:
 
 .. code-block:: python
+
+    from torchloom.data import CachedDataModule, fingerprint, read_table, require_column
 
     class CSVRegressionData(CachedDataModule):
         train_description = "the training table (a path or a table)"

@@ -39,6 +39,7 @@ from torchloom.errors import ConfigError
 
 __all__ = [
     "TextClassificationData",
+    "TextData",
     "encode_labels",
     "load_tokenizer",
     "read_table",
@@ -203,14 +204,99 @@ def tokenize(
 # ------------------------------------------------------------------------------------------- DataModule
 
 
-class TextClassificationData(CachedDataModule):
+class TextData(CachedDataModule):
+    """The part every tokenised-text data module shares, on `CachedDataModule`: tables and a tokenizer.
+
+    Splits are tables read with `read_table`; the tokenizer is loaded on first use (`load_tokenizer`). For the
+    cache key, `source_settings` gives each split's `fingerprint` and reader and `versions` the libraries that
+    parse and tokenise; a subclass adds its own settings in `cache_settings` and tokenises in ``preprocess``.
+    `TextClassificationData` is one; a language-model or chat module is another.
+
+    Args:
+        train: the training table: a ``.csv`` / ``.tsv`` / ``.json`` / ``.jsonl`` / ``.parquet`` path, a
+            ``save_to_disk`` directory, a `pandas.DataFrame` or a `datasets.Dataset` (see `read_table`).
+        validation (*optional*): the validation table, same kinds.
+        tokenizer (`str` or `os.PathLike`): a local model/tokenizer directory or a Hub id (`load_tokenizer`).
+        tokenizer_revision (`str`, *optional*): the Hub revision of ``tokenizer``.
+        **settings: the settings of `CachedDataModule` (``label_column``, ``batch_size``, ``cache_dir`` ...).
+
+    Attributes:
+        tokenizer_name (`str` or `os.PathLike`), tokenizer_revision (`str` or ``None``): the arguments.
+    """
+
+    train_description = "the training table (a path or a table)"
+    preprocessing_description = "tokenising"
+
+    def __init__(
+        self,
+        train: str | os.PathLike[str] | Any | None = None,
+        validation: str | os.PathLike[str] | Any | None = None,
+        *,
+        tokenizer: str | os.PathLike[str] | None = None,
+        tokenizer_revision: str | None = None,
+        **settings: Any,
+    ) -> None:
+        if tokenizer is None or not isinstance(tokenizer, str | os.PathLike) or not os.fspath(tokenizer):
+            raise ConfigError(
+                f"{type(self).__name__}: tokenizer={tokenizer!r}; expected a model/tokenizer directory or a Hub id"
+            )
+        super().__init__(train, validation, **settings)
+        self.tokenizer_name, self.tokenizer_revision = tokenizer, tokenizer_revision
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.tokenizer_name, self.tokenizer_revision)
+        return self._tokenizer
+
+    def read_split(self, split: str, source: TextSource) -> datasets.Dataset:
+        """The table of ``split`` (`read_table`)."""
+        return read_table(source, self.split_name(split))
+
+    def source_settings(self) -> dict[str, Any]:
+        """The raw tables for the key, without reading them: ``data``, each split's `fingerprint` (file bytes, or
+        table contents with every value's type), and ``suffixes``, its reader (a path's suffix, else its type).
+
+        Raises:
+            ConfigError: a data path that does not exist (names the split) or cannot be read.
+        """
+        data, suffixes = {}, {}
+        for split, source in self.sources().items():
+            if isinstance(source, str | os.PathLike):
+                path = Path(source).expanduser()
+                if not path.exists():
+                    raise ConfigError(f"{type(self).__name__}: {split} data path '{path}' does not exist")
+                suffixes[split] = path.suffix.lower()
+            else:
+                suffixes[split] = type(source).__name__
+            data[split] = fingerprint(source)
+        return {"data": data, "suffixes": suffixes}
+
+    def versions(self) -> dict[str, str]:
+        """The versions of the libraries that parse the tables (pandas and pyarrow decide a label column's type
+        too) and tokenise them."""
+        return {
+            "datasets": datasets.__version__,
+            "pandas": pd.__version__,
+            "pyarrow": pyarrow.__version__,
+            "tokenizers": tokenizers.__version__,
+            "transformers": transformers.__version__,
+        }
+
+
+class TextClassificationData(TextData):
     """Tokenised text classification data from any table with a text column and a label column.
 
     ``prepare_data`` reads the tables, encodes the labels (`encode_labels`), tokenises (`tokenize`) and saves
     both splits with ``save_to_disk`` in the processed-dataset cache, under a key that hashes the raw data and
     every setting below that shapes the result; a second run with the same inputs loads them instead (the
     ``cache_hit`` attribute says which happened). ``setup`` loads the splits (memory-mapped) and takes the
-    ``max_*_samples`` subsets; the dataloaders pad each batch with `transformers.DataCollatorWithPadding`.
+    ``max_*_samples`` subsets; the dataloaders pad each batch with `transformers.DataCollatorWithPadding`
+    (`collator`): a batch is a dict of int64 tensors ``input_ids``, ``attention_mask`` (and ``token_type_ids`` for
+    BERT-like tokenizers) of shape ``(batch, longest)`` and ``labels`` of shape ``(batch,)``. The steps are those of
+    `CachedDataModule`; the tables and the tokenizer are `TextData`'s; this class adds the columns and `tokenize`.
 
     Args:
         train: the training table: a ``.csv`` / ``.tsv`` / ``.json`` / ``.jsonl`` / ``.parquet`` path, a
@@ -249,9 +335,6 @@ class TextClassificationData(CachedDataModule):
             missing or unreadable path, a missing column, an unknown label or a tokenizer that cannot be loaded.
     """
 
-    train_description = "the training table (a path or a table)"
-    preprocessing_description = "tokenising"
-
     def __init__(
         self,
         # Typed as paths for config files (a class in this union would make jsonargparse read a path as a
@@ -276,10 +359,6 @@ class TextClassificationData(CachedDataModule):
         cache_dir: str | os.PathLike[str] | None = None,
         tokenizer_revision: str | None = None,
     ) -> None:
-        if tokenizer is None or not isinstance(tokenizer, str | os.PathLike) or not os.fspath(tokenizer):
-            raise ConfigError(
-                f"{type(self).__name__}: tokenizer={tokenizer!r}; expected a model/tokenizer directory or a Hub id"
-            )
         self.check_column("text_column", text_column)
         self.check_column("label_column", label_column)  # None would mean no classes: not for classification
         self.check_column("text_pair_column", text_pair_column, optional=True)
@@ -288,6 +367,8 @@ class TextClassificationData(CachedDataModule):
         super().__init__(
             train,
             validation,
+            tokenizer=tokenizer,
+            tokenizer_revision=tokenizer_revision,
             label_column=label_column,
             label_names=label_names,
             batch_size=batch_size,
@@ -299,17 +380,8 @@ class TextClassificationData(CachedDataModule):
             num_workers=num_workers,
             cache_dir=cache_dir,
         )
-        self.tokenizer_name, self.tokenizer_revision = tokenizer, tokenizer_revision
         self.text_column, self.text_pair_column = text_column, text_pair_column
         self.max_length, self.pad_to_multiple_of = max_length, pad_to_multiple_of
-        self._tokenizer: PreTrainedTokenizerBase | None = None
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The tokenizer (loaded on first use)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.tokenizer_name, self.tokenizer_revision)
-        return self._tokenizer
 
     def cache_settings(self) -> dict[str, Any]:
         """Return everything that determines the processed splits; its `cache_key` names the cache entry.
@@ -326,34 +398,15 @@ class TextClassificationData(CachedDataModule):
         """
         return {
             "kind": "torchloom.data.text.TextClassificationData",
-            "data": {split: self._fingerprint(split, source) for split, source in self.sources().items()},
-            "suffixes": {
-                split: Path(source).suffix.lower() if isinstance(source, str | os.PathLike) else type(source).__name__
-                for split, source in self.sources().items()
-            },
+            **self.source_settings(),  # "data" and "suffixes"
             "tokenizer": tokenizer_fingerprint(self.tokenizer, self.tokenizer_revision),
             "text_column": self.text_column,
             "text_pair_column": self.text_pair_column,
             "label_column": self.label_column,
             "label_names": self.label_names_setting,
             "max_length": self.max_length,
-            "versions": {  # pandas and pyarrow parse the tables, so they decide the label column's type too
-                "datasets": datasets.__version__,
-                "pandas": pd.__version__,
-                "pyarrow": pyarrow.__version__,
-                "tokenizers": tokenizers.__version__,
-                "transformers": transformers.__version__,
-            },
+            "versions": self.versions(),
         }
-
-    def _fingerprint(self, split: str, source: TextSource) -> str:
-        if isinstance(source, str | os.PathLike) and not Path(source).expanduser().exists():
-            raise ConfigError(f"{type(self).__name__}: {split} data path '{Path(source).expanduser()}' does not exist")
-        return fingerprint(source)
-
-    def read_split(self, split: str, source: TextSource) -> datasets.Dataset:
-        """The table of ``split`` (`read_table`)."""
-        return read_table(source, self.split_name(split))
 
     def preprocess(self, split: str, table: datasets.Dataset) -> datasets.Dataset:
         """Tokenise ``split`` (`tokenize`), keeping ``labels``."""
