@@ -63,6 +63,7 @@ from torchloom.data.audio_features import (
     extract_features,
     feature_extractor_fingerprint,
 )
+from torchloom.data.audio_folders import METADATA_FILE as METADATA_FILE  # a constant audio.py had before the split
 from torchloom.data.audio_folders import AudioSource, audio_fingerprint, read_audio_folder
 from torchloom.data.base import CachedDataModule
 from torchloom.errors import ConfigError

@@ -46,8 +46,10 @@ import transformers
 
 from torchloom.data.base import CachedDataModule
 from torchloom.data.cache import fingerprint
+from torchloom.data.image_decoding import MODES as MODES  # constants image.py had before the split
 from torchloom.data.image_decoding import PILLOW_VERSION, load_image
 from torchloom.data.image_folders import ImageSource, image_data_fingerprint, image_table, read_image_folder
+from torchloom.data.image_transforms import RESAMPLE as RESAMPLE
 from torchloom.data.image_transforms import (
     ImageAugmentation,
     ImageTransform,

@@ -34,6 +34,7 @@ from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedToken
 
 from torchloom.data.base import CachedDataModule
 from torchloom.data.cache import cache_key, fingerprint
+from torchloom.data.tables import TABLE_READERS as TABLE_READERS  # the names text.py had before tables.py
 from torchloom.data.tables import TableSource, encode_labels, read_table, require_column, resolve_label_names
 from torchloom.errors import ConfigError
 
