@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, docs, bench, demo, keywords.
+"""Sessions: tests, lint, typecheck, docs, bench, demo, keywords, mutation (by hand, not in CI: CONTRIBUTING.md).
 
     python3 -m pip install nox && python3 -m nox -s tests docs  # what CI runs (.ci/run): tests, then the site
     python3 -m pip install nox && python3 -m nox -s demo      # the main job: a real fine-tune, offline
@@ -50,6 +50,14 @@ def install_torchloom(session: nox.Session, *extras: str, editable: bool = False
     session.install(*CONSTRAINTS, *(("-e",) if editable else ()), target)
 
 
+def install_test_distributions(session: nox.Session) -> None:
+    """The test-only distributions (tests/fixtures/) and the example third-party plugin, built with setuptools
+    without build isolation (offline-friendly, fast)."""
+    fixtures = sorted(d for d in glob.glob("tests/fixtures/*/") if os.path.exists(os.path.join(d, "pyproject.toml")))
+    session.install("setuptools")
+    session.install("--no-deps", "--no-build-isolation", *fixtures, "./examples/torchloom-ema")
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Run the test suite against the installed package (not the source tree), offline.
@@ -59,14 +67,29 @@ def tests(session: nox.Session) -> None:
     """
     install_torchloom(session, "test")
     install_debian_tools(session)
-    fixtures = sorted(d for d in glob.glob("tests/fixtures/*/") if os.path.exists(os.path.join(d, "pyproject.toml")))
-    # The test-only distributions and the example third-party plugin, built with setuptools without build
-    # isolation (offline-friendly, fast).
-    session.install("setuptools")
-    session.install("--no-deps", "--no-build-isolation", *fixtures, "./examples/torchloom-ema")
+    install_test_distributions(session)
     session.run("pytest", *(session.posargs or ("-q",)), env=OFFLINE)
     if not session.posargs:  # the third-party distribution's own tests, from its own directory
         session.run("pytest", "-q", "examples/torchloom-ema/tests", env=OFFLINE)
+
+
+@nox.session(python=PYTHON)
+def mutation(session: nox.Session) -> None:
+    """Mutation testing (mutmut) of the modules a change touches; not part of CI (CONTRIBUTING.md says when to run it).
+
+    ``nox -s mutation`` mutates the modules of src/torchloom and plugins/torchloom_plugins that differ from where the
+    branch left origin/main (else main); ``-- --base REV`` compares with another revision, ``-- PATH.py ...`` names
+    the modules, ``-- --tests PATH ...`` narrows the tests of the stats run, ``-- --max-children N`` sets how many
+    mutants run at once. Each mutant runs only the tests that call its function (tools/mutation/session.py). Prints
+    each module's score and the mutants no test killed, and writes them to build/mutation/report.md and report.json.
+
+    Installs what the tests session installs (the package editable; not the Debian tools of the keyword example,
+    whose tests are then skipped), plus mutmut pinned in tools/mutation/constraints.txt.
+    """
+    install_torchloom(session, "test", editable=True)
+    install_test_distributions(session)
+    session.install("mutmut", *CONSTRAINTS, "-c", "tools/mutation/constraints.txt")
+    session.run("python", "tools/mutation/session.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session(python=PYTHON)

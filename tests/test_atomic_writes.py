@@ -296,3 +296,111 @@ def test_the_data_cache_writes_under_the_same_convention_and_sweeps_it(tmp_path)
     assert list(tmp_path.iterdir()) == []  # the leftover swept, the failed entry's directory removed
     cache.save("k1", table)
     assert [p.name for p in tmp_path.iterdir()] == ["k1"] and len(cache.load("k1")) == 20_000
+
+
+# ---------------------------------------------------------------------------------------- the pieces
+
+
+def test_temporary_names_follow_the_convention_the_sweep_knows(tmp_path):
+    target = tmp_path / "model"
+    assert _atomic.temporary_path(target) == tmp_path / f".model.tmp-{os.getpid()}"
+    assert _atomic.temporary_path(target, pid=123) == tmp_path / ".model.tmp-123"
+    first, second = (_atomic.temporary_path(target, pid=7, unique=True) for _ in range(2))
+    assert first != second  # unique: several writes of one name at once
+    for name in (first.name, second.name, ".model.tmp-7", ".model.deleting-7"):
+        match = _atomic.TEMPORARY.fullmatch(name)
+        assert match is not None and match.groups() == ("model", "7"), name
+    assert len(first.name) == len(".model.tmp-7-") + 8
+
+
+def test_two_writes_of_one_file_at_once_do_not_collide(tmp_path):
+    """Two threads write the same file at the same time: each in its own private directory; the last rename
+    wins, and nothing is left behind."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def slow(path: str) -> None:
+        Path(path).write_text("first")
+        started.set()
+        release.wait(10)
+
+    def first() -> None:
+        try:
+            torchloom.write_atomically(tmp_path / "summary.json", slow)
+        except BaseException as exc:  # pragma: no cover - the failure this test is about
+            errors.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert started.wait(10)
+    torchloom.write_atomically(tmp_path / "summary.json", "second")  # while the first is still writing
+    release.set()
+    thread.join(10)
+    assert errors == []
+    assert (tmp_path / "summary.json").read_text() == "first" and sorted(os.listdir(tmp_path)) == ["summary.json"]
+
+
+def test_non_ascii_text_is_written_as_utf8(tmp_path):
+    torchloom.write_atomically(tmp_path / "notes.txt", "é → ∞")
+    assert (tmp_path / "notes.txt").read_bytes() == "é → ∞".encode()
+
+
+def test_delete_directory_renames_out_of_sight_first(tmp_path):
+    folder = tmp_path / "step-00000004"
+    (folder / "accelerate").mkdir(parents=True)
+    (folder / "accelerate" / "model.safetensors").write_bytes(b"x")
+    renamed = []
+    original = os.rename
+
+    def watching_rename(src, dst):
+        renamed.append((Path(src).name, Path(dst).name))
+        return original(src, dst)
+
+    os.rename = watching_rename
+    try:
+        _atomic.delete_directory(folder)
+    finally:
+        os.rename = original
+    assert renamed == [("step-00000004", f".step-00000004.deleting-{os.getpid()}")]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pid_alive_answers_for_running_dead_and_foreign_processes():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert _atomic.pid_alive(os.getpid()) is True
+    assert _atomic.pid_alive(int(dead.stdout)) is False
+    assert _atomic.pid_alive(10**12) is False  # not a pid at all (OverflowError)
+    if os.geteuid() == 0:  # a process of another user: os.kill refuses (PermissionError), but it runs
+        code = "import os; from torchloom import _atomic; os.setuid(65534); print(_atomic.pid_alive(1))"
+        foreign = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert foreign.stdout.strip() == "True"
+
+
+def test_write_failure_recognises_failed_writes_and_nothing_else(tmp_path):
+    from safetensors import SafetensorError
+
+    free = " bytes free on that file system)"
+    cases = {
+        OSError(28, "No space left on device"): "No space left on device (",
+        OSError("a custom message"): "a custom message (",
+        OSError(): "OSError (",
+        SafetensorError("Error while serializing: I/O error: File too large (os error 27)"): "File too large (",
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"): (
+            "torch.save failed ([enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598) ("
+        ),
+        RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed\nmore"): (
+            "torch.save failed (PytorchStreamWriter failed writing file data/0: file write failed) ("
+        ),
+    }
+    for exc, start in cases.items():
+        reason = _atomic.write_failure(exc, tmp_path / "not" / "yet" / "made")  # the nearest existing folder
+        assert reason is not None and reason.startswith(start) and reason.endswith(free), (exc, reason)
+    for other in (
+        RuntimeError("CUDA out of memory"),
+        SafetensorError("Some tensors share memory"),
+        ValueError("I/O error: not a write"),
+        KeyError("inline_container"),
+    ):
+        assert _atomic.write_failure(other, tmp_path) is None, other

@@ -272,8 +272,8 @@ def test_second_run_loads_from_the_cache_without_decoding(folders, tmp_path, mon
     def fail(*args, **kwargs):
         raise AssertionError("recomputed instead of loading from the cache")
 
-    monkeypatch.setattr(audio_module, "read_audio", fail)
-    monkeypatch.setattr(audio_module, "encode_labels", fail)
+    monkeypatch.setattr("torchloom.data.audio_decoding.read_audio", fail)  # where the clips are decoded
+    monkeypatch.setattr("torchloom.data.base.encode_labels", fail)  # where every data module encodes its labels
     second = prepared(*folders, cache_dir=tmp_path / "cache", batch_size=3, max_train_samples=5)
     assert second.cache_hit is True and second.cache_path == first.cache_path and len(calls) == 2
     assert all(f["filename"].startswith(str(first.cache_path)) for f in second.train_dataset.cache_files)

@@ -20,6 +20,7 @@ import torchloom
 from torchloom.data import (
     DatasetCache,
     TextClassificationData,
+    TextData,
     cache_key,
     encode_labels,
     fingerprint,
@@ -263,7 +264,7 @@ def test_second_run_loads_from_the_cache_without_recomputing(files, tmp_path, mo
 
     monkeypatch.setattr(datasets.Dataset, "map", fail)
     monkeypatch.setattr("torchloom.data.text.read_table", fail)
-    monkeypatch.setattr("torchloom.data.text.encode_labels", fail)
+    monkeypatch.setattr("torchloom.data.base.encode_labels", fail)  # where every data module encodes its labels
     second = make_data(*files, cache_dir=tmp_path / "cache", batch_size=4)
     second.prepare_data()
     second.setup("fit")
@@ -431,3 +432,47 @@ def test_cache_dir_is_configurable_by_environment(monkeypatch, tmp_path, files):
     data.prepare_data()
     assert data.cache_path.parent == tmp_path / "env-cache" / "processed"
     assert os.path.isfile(data.cache_path / "torchloom_cache.json")
+
+
+# ------------------------------------------------------------------------------------ a text module of your own
+
+
+class TokenCountData(TextData):
+    """A text module without classes (as a language model's is): each text's token count, nothing else."""
+
+    def __init__(self, train=None, validation=None, *, tokenizer=None, batch_size=4, cache_dir=None):
+        super().__init__(
+            train, validation, tokenizer=tokenizer, label_column=None, batch_size=batch_size, cache_dir=cache_dir
+        )
+
+    def cache_settings(self):
+        return {
+            "kind": "tests.TokenCountData",
+            **self.source_settings(),
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+            "versions": self.versions(),
+        }
+
+    def preprocess(self, split, table):
+        ids = tokenize(table, self.tokenizer, "review", keep_columns=(), name=self.split_name(split))["input_ids"]
+        return datasets.Dataset.from_dict({"tokens": [len(row) for row in ids]})
+
+
+def test_a_text_module_of_its_own_reuses_the_tables_and_the_tokenizer_of_text_data(files, tmp_path, tokenizer):
+    data = TokenCountData(*files, tokenizer=MODEL_DIR, cache_dir=tmp_path)
+    data.prepare_data()
+    data.setup("fit")
+    raw = pd.read_csv(files[0])
+    assert data.train_dataset["tokens"] == [len(tokenizer(r)["input_ids"]) for r in raw.review]
+    assert data.label_names == [] and set(data.train_dataset.column_names) == {"tokens"}
+    settings = data.cache.info(data.cache_path.name)["settings"]
+    assert settings["suffixes"] == {"train": ".csv", "validation": ".parquet"}
+    assert settings["data"] == {"train": fingerprint(files[0]), "validation": fingerprint(files[1])}
+    assert set(settings["versions"]) == {"datasets", "pandas", "pyarrow", "tokenizers", "transformers"}
+    again = TokenCountData(*files, tokenizer=MODEL_DIR, cache_dir=tmp_path)
+    again.prepare_data()
+    assert again.cache_hit is True
+    with pytest.raises(torchloom.ConfigError, match=r"^TokenCountData: tokenizer=None; expected a model/tokenizer"):
+        TokenCountData(files[0])
+    with pytest.raises(torchloom.ConfigError, match=r"TokenCountData: validation data path '.*nope.csv' does not"):
+        TokenCountData(files[0], tmp_path / "nope.csv", tokenizer=MODEL_DIR).prepare_data()

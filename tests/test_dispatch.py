@@ -196,7 +196,7 @@ def test_the_inner_optimizer_is_called_directly_only_where_the_wrapper_adds_noth
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    from torchloom._default_step import direct_optimizer
+    from torchloom.step import direct_optimizer
 
     for mixed_precision, direct in (("no", True), ("fp16", False)):
         AcceleratorState._reset_state()

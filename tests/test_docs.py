@@ -27,17 +27,19 @@ from torchloom import hookspecs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-#: Markdown files whose relative links must resolve: every page under docs/, the README, the example plugin's.
+#: Markdown files whose relative links must resolve: every page under docs/, the README, the contributing notes,
+#: the example plugin's.
 LINKED_PAGES = sorted(
     [
         *DOCS.rglob("*.md"),
         ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
         ROOT / "examples" / "README.md",
         ROOT / "examples" / "torchloom-ema" / "README.md",
     ]
 )
 #: Pages whose ```python blocks must compile and whose ```yaml blocks must parse.
-CODE_PAGES = sorted([*DOCS.rglob("*.md"), ROOT / "README.md"])
+CODE_PAGES = sorted([*DOCS.rglob("*.md"), ROOT / "README.md", ROOT / "CONTRIBUTING.md"])
 #: The runnable documentation: each project is a list of pages (under docs/) whose blocks run in order, in one
 #: fresh working directory. Per page, the ```python blocks run in one namespace, and each ```text block is what
 #: they printed since the previous one (numbers compared to 4 significant digits). A block whose first line is
@@ -81,6 +83,7 @@ _INSTALL = (
     "installs into the current environment from PyPI; followed by hand in a fresh clone when the page was written"
 )
 _EXAMPLE = "needs the example's data (fetched with apt-get) and minutes of CPU"
+_MUTATION = "mutation testing: a fresh install, then every mutant's tests (minutes to hours); run by hand, not in CI"
 NOT_RUN_COMMANDS: dict[str, str] = {
     # docs/memory.md
     "torchloom estimate-memory examples/fine_foods.yaml --batch_size 16 --seq_len 64 --budget 1GiB "
@@ -95,6 +98,16 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     "torchloom fit --config examples/fine_foods.yaml --print_config": (
         "reads examples/ from the repository root; tests/test_example_fine_foods.py runs this config through the CLI"
     ),
+    # CONTRIBUTING.md: the nox sessions, each a fresh environment and minutes of CPU (CI runs tests and docs)
+    "python3 -m nox -s lint typecheck": "ruff and mypy over the repository, in environments of their own",
+    "python3 -m nox -s tests docs": "the whole test suite and the site: what CI runs",
+    "python3 -m nox -s tests -- -q tests/test_resume_layout.py": "a fresh install, then one test file",
+    "python3 -m nox -s mutation": _MUTATION,
+    "python3 -m nox -s mutation -- --base main": _MUTATION,
+    "python3 -m nox -s mutation -- src/torchloom/_atomic.py plugins/torchloom_plugins/checkpoint.py": _MUTATION,
+    "python3 -m nox -s mutation -- --list": "installs the mutation session's environment (minutes) before it lists",
+    "python3 -m nox -s mutation -- src/torchloom/_atomic.py --tests tests/test_atomic_writes.py "
+    "tests/test_run_dirs.py": _MUTATION,
     # docs/quickstart.md
     "python3 -m venv .venv && . .venv/bin/activate": _INSTALL,
     "python3 -m pip install -c constraints.txt torch==2.13.0": _INSTALL,
@@ -662,10 +675,10 @@ def test_the_documented_examples_run_and_print_what_the_pages_show(project, tmp_
 
 
 def _all_commands() -> dict[str, str]:
-    """Every command shown in the docs and the README -> where."""
+    """Every command shown in the docs, the README and the contributing notes -> where."""
     return {
         command: f"{page.relative_to(ROOT)}:{line}"
-        for page in [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
+        for page in [*sorted(DOCS.rglob("*.md")), ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
         for line, _, command, _ in _commands(page)
         if _strip_prompt_env(command.split("|")[0])[1][0] in COMMAND_PROGRAMS
     }

@@ -72,6 +72,7 @@ def test_bf16_values_are_summed_in_float64(tmp_path):
 def test_a_weighted_mean_is_the_same_for_tensors_and_numbers(count, value_kind, weight_kind):
     """Every path of log(name, value, weight): tensor or Python value, tensor or Python weight (or the default 1),
     mixed within one interval, before and after the appended values fold: the exact weighted mean."""
+    from torchloom._agreement import RankAgreement
     from torchloom._logbuffer import LogBuffer
 
     class OneProcess:
@@ -89,7 +90,7 @@ def test_a_weighted_mean_is_the_same_for_tensors_and_numbers(count, value_kind, 
         weight_tensor = weight_kind == "tensor" or (weight_kind == "mixed" and i % 3 == 0)
         buffer.log("x", value, weight=torch.tensor(w) if weight_tensor else w)
     expected = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
-    assert buffer.reduce(OneProcess())["x"] == expected
+    assert buffer.reduce(OneProcess(), RankAgreement(1))["x"] == expected
 
 
 class MetricTask(TinyTask):

@@ -9,16 +9,17 @@ Method card
   monitored logged value; on SIGTERM (what SLURM and Kubernetes send before they stop a job) or Ctrl-C, save at the
   next optimizer-step boundary on every process and stop with `torchloom.TrainingInterrupted`, which the
   ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues.
-- **Hooks:** ``on_fit_start`` installs the signal handlers (main thread) and, with several processes, a gloo group
-  for the interrupt flag; ``on_log`` records the monitored value; ``on_train_step_end`` saves on the step schedule
-  and acts on an interrupt; ``on_train_epoch_end`` saves on the epoch schedule; ``on_train_end`` marks the fit
-  completed and ``on_fit_end`` warns (main process) when ``monitor`` was never logged or no save came at a step
-  where it was logged (`torchloom.Monitor`, which also warns when the plugin is made if ``mode`` reads wrong for
-  the name); ``teardown`` puts the previous signal handlers back.
+- **Hooks:** ``on_fit_start`` installs the signal handlers (main thread); ``on_log`` records the monitored value;
+  ``on_train_step_end`` saves on the step schedule and acts on an interrupt; ``on_train_epoch_end`` saves on the
+  epoch schedule; ``on_train_end`` marks the fit completed and ``on_fit_end`` warns (main process) when
+  ``monitor`` was never logged or no save came at a step where it was logged (`torchloom.Monitor`, which also
+  warns when the plugin is made if ``mode`` reads wrong for the name); ``teardown`` puts the previous signal
+  handlers back.
 - **Processes:** every process calls `torchloom.save_checkpoint` at the same step (a schedule of steps and epochs is
-  the same everywhere). A signal reaches the processes at different moments, so the flag is combined with a
-  max all-reduce on a CPU (gloo) group, started without waiting at each optimizer step and read at the next one:
-  no step waits for it, and every process sees the same answer one step after the signal. Only the main process
+  the same everywhere). A signal reaches the processes at different moments, so the flag is agreed over them
+  (`torchloom.RankAgreement.max_later`: a max all-reduce on the run's CPU group), started without waiting at each
+  optimizer step and read at the next one: no step waits for it, and every process sees the same answer one step
+  after the signal. Only the main process
   deletes old checkpoints.
 - **Atomic:** a checkpoint is complete or absent (see `torchloom.checkpoint`); old ones are deleted only after a new
   one is complete, each by a rename out of sight first, so a kill at any moment leaves the newest complete
@@ -36,8 +37,6 @@ import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 import torchloom
 
@@ -129,8 +128,7 @@ class Checkpoint(torchloom.Plugin):
         self._completed = False  # on_train_end fired in this fit
         self._signal: int | None = None  # the first signal received in this fit
         self._previous_handlers: dict[int, Any] = {}
-        self._group: Any = None  # a gloo group for the interrupt flag (several processes)
-        self._pending: tuple[Any, torch.Tensor] | None = None  # the flag all-reduce started at the last step
+        self._pending: Any = None  # the interrupt flag's agreement started at the last step (several processes)
         if self.config.every_n_steps is None and not self.config.save_on_interrupt:  # saves at epoch ends only
             self.inactive_hooks = frozenset({"on_train_step_end"})
 
@@ -147,8 +145,6 @@ class Checkpoint(torchloom.Plugin):
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread
             for number in SIGNALS:
                 self._previous_handlers[number] = signal.signal(number, self._on_signal)
-        if accelerator.num_processes > 1:  # its own group: never interleaved with DDP's or LocalSGD's collectives
-            self._group = torch.distributed.new_group(backend="gloo")
 
     def _on_signal(self, number: int, frame: Any) -> None:
         if self._signal is not None and number == signal.SIGINT:  # a second Ctrl-C: stop now
@@ -208,24 +204,19 @@ class Checkpoint(torchloom.Plugin):
             signal.signal(number, handler)
         self._previous_handlers.clear()
         self._pending = None  # a fit that failed on one process: never wait for the others here
-        self._group = None
 
     # ----------------------------------------------------------------------------------------- internals
 
     def _interrupt(self, accelerator) -> int | None:
-        """The signal to act on at this step, the same on every process; ``None`` if there is none."""
+        """The signal to act on at this step, the same on every process; ``None`` if there is none. The flag's
+        agreement (`torchloom.RankAgreement.max_later`) is started at each step and read at the next one, by when
+        it has long finished: no step waits for it."""
         if not self.config.save_on_interrupt:
             return None
         if accelerator.num_processes == 1:
             return self._signal
-        agreed = None
-        if self._pending is not None:  # started one step ago: long finished, so this wait costs nothing
-            work, flag = self._pending
-            work.wait()
-            agreed = int(flag.item()) or None
-        flag = torch.tensor([self._signal or 0], dtype=torch.int64)
-        work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._group, async_op=True)
-        self._pending = (work, flag)
+        agreed = self._pending.result() or None if self._pending is not None else None
+        self._pending = torchloom.rank_agreement().max_later(self._signal or 0)
         return agreed
 
     def _save(self, accelerator, step: int) -> str:

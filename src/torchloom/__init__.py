@@ -48,8 +48,10 @@ _EXPORTS = {
     "installed_plugins": "torchloom.plugins",
     "json_dumps": "torchloom._strict_json",
     "load_plugin_state": "torchloom.state",
-    "request_stop": "torchloom._logging",
-    "save_checkpoint": "torchloom.checkpoint",
+    "RankAgreement": "torchloom._agreement",
+    "rank_agreement": "torchloom._context",
+    "request_stop": "torchloom._context",
+    "save_checkpoint": "torchloom._context",
     "save_plugin_state": "torchloom.state",
     "write_atomically": "torchloom._atomic",
 }
@@ -68,6 +70,7 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "Progress",
+    "RankAgreement",
     "RunFileError",
     "StepHooks",
     "TaskError",
@@ -87,6 +90,7 @@ __all__ = [
     "installed_plugins",
     "json_dumps",
     "load_plugin_state",
+    "rank_agreement",
     "request_stop",
     "save_checkpoint",
     "save_plugin_state",
@@ -108,15 +112,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from torchloom._agreement import RankAgreement
     from torchloom._atomic import write_atomically
+    from torchloom._context import rank_agreement, request_stop, save_checkpoint
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
     from torchloom._layout import MODEL_DIR, SUMMARY_FILE
-    from torchloom._logging import request_stop
     from torchloom._memory_plan import estimate_memory
     from torchloom._names import INTERNAL_PREFIX
     from torchloom._strict_json import json_dumps
-    from torchloom.checkpoint import delete_checkpoint, save_checkpoint
+    from torchloom.checkpoint import delete_checkpoint
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule
     from torchloom.engine import Engine

@@ -157,7 +157,7 @@ def write_failure(exc: BaseException, path: str | os.PathLike[str]) -> str | Non
     elif type(exc).__name__ == "SafetensorError" and "I/O error" in text:
         reason = re.sub(r"^.*I/O error: | \(os error \d+\)$", "", text)
     elif isinstance(exc, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container" in text):
-        reason = f"torch.save failed ({text.splitlines()[0] if text else type(exc).__name__})"
+        reason = f"torch.save failed ({text.splitlines()[0]})"
     else:
         return None
     folder = Path(path)

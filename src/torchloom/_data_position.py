@@ -131,12 +131,12 @@ def resume_point(saved: dict[str, Any], order: DataOrder) -> tuple[int, int]:
     epoch = saved["epoch"]
     if saved.get("epoch_finished"):
         return epoch + 1, 0
-    if _epoch_done(saved):  # the epoch's end (its validation, on_train_epoch_end) is still to come
+    if _epoch_done(saved):  # every sample trained; the epoch's end (its validation, on_train_epoch_end) is to come
         return epoch, order.batches_per_epoch if order.batches_per_epoch is not None else saved["batches_done"]
-    samples, total = saved.get("samples_done"), order.total_batch_size
-    if samples is None or total is None:
+    samples = saved.get("samples_done")
+    if samples is None or order.total_batch_size is None:  # no fixed batch size: the same batches, as counted
         return epoch, saved["batches_done"]
-    return epoch, samples // total
+    return epoch, samples // order.total_batch_size
 
 
 def _epoch_done(saved: dict[str, Any]) -> bool:

@@ -1,10 +1,10 @@
-"""The default ``run_train_step``, registered like any plugin (pytest's runner.py pattern)."""
+"""The default ``run_train_step``, registered like any plugin (pytest's runner.py pattern). It holds no state: the
+engine's part of a step (the non-finite skip, the loss scaler's accounting, the scheduler) is in `StepHooks`, which
+a step that replaces this one calls the same way."""
 
 from __future__ import annotations
 
-import inspect
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -12,111 +12,25 @@ import torch
 from torchloom.errors import TaskError
 from torchloom.hookspecs import hookimpl
 
-__all__ = ["DefaultTrainStep", "as_outputs", "direct_optimizer"]
+__all__ = ["DefaultTrainStep", "as_outputs"]
 
 
 class DefaultTrainStep:
-    """The default ``run_train_step``: forward, backward and, when gradients sync, the optimizer step.
-
-    Args:
-        skip_nonfinite (`bool`, defaults to False): skip the optimizer step of a window in which any rank's
-            loss was not finite (``nonfinite_loss="skip"``): one host-device sync, and on several processes one
-            small all-reduce, per optimizer step.
-    """
+    """The default ``run_train_step``: forward, ``hooks.before_backward``, backward and, when gradients sync,
+    ``hooks.optimizer_step`` (see `torchloom.StepHooks`)."""
 
     name = "torchloom.default_step"
-
-    def __init__(self, skip_nonfinite: bool = False) -> None:
-        self.skip_nonfinite = skip_nonfinite
-        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss in this fit
-        self.scaler_skipped_steps = 0  # optimizer steps the fp16 loss scaler skipped (an overflow) in this fit
-        self._window_nonfinite: torch.Tensor | None = None  # on the device: a non-finite loss in this window
-        self._wrapped: Any = None  # the optimizer `_direct` was decided for
-        self._direct: Any = None  # what `optimizer.step` / `zero_grad` call inside Accelerate's wrapper, or None
-
-    @hookimpl
-    def on_fit_start(self) -> None:
-        self.skipped_steps, self.scaler_skipped_steps, self._window_nonfinite = 0, 0, None
 
     @hookimpl(trylast=True)
     def run_train_step(self, task, model, optimizer, scheduler, accelerator, batch, progress, hooks) -> dict[str, Any]:
         outputs = as_outputs(task.training_step(batch, progress.batch_idx), "training_step")
         loss = outputs["loss"]
-        if self.skip_nonfinite:
-            bad = ~torch.isfinite(loss.detach())
-            self._window_nonfinite = bad if self._window_nonfinite is None else self._window_nonfinite | bad
         hooks.before_backward(outputs, accelerator, progress)
         accelerator.backward(outputs["loss"])  # divides by gradient_accumulation_steps
-        if accelerator.sync_gradients and self.skip_nonfinite and self._skip_window(accelerator, progress):
-            optimizer.zero_grad(set_to_none=True)  # the window's gradients are dropped; nothing else moves
-        elif accelerator.sync_gradients:
-            hooks.before_optimizer_step(model, optimizer, accelerator, progress)
-            if optimizer is not self._wrapped:
-                self._wrapped, self._direct = optimizer, direct_optimizer(optimizer, accelerator)
-            # What the wrapper would do, without its per-step look-ups, where that is all it does.
-            target = optimizer if self._direct is None else self._direct
-            target.step()
-            # An fp16 overflow makes the loss scaler skip optimizer.step(); the schedule must not advance. (Only
-            # with a scaler is this more than False, and then Accelerate has already synced to find out.)
-            if optimizer.step_was_skipped:
-                self.scaler_skipped_steps += 1
-            elif scheduler is not None:
-                scheduler.step()
-            target.zero_grad(set_to_none=True)
-            hooks.after_optimizer_step(model, optimizer, scheduler, accelerator, progress)
+        if accelerator.sync_gradients:
+            hooks.optimizer_step(model, optimizer, scheduler, accelerator, progress)
         outputs["loss"] = loss.detach()
         return outputs
-
-    def _skip_window(self, accelerator, progress) -> bool:
-        """Whether any rank saw a non-finite loss in this window (one sync; every rank decides alike)."""
-        flag, self._window_nonfinite = self._window_nonfinite, None
-        if flag is None:
-            return False
-        flag = flag.to(torch.float32)
-        if accelerator.num_processes > 1:
-            flag = accelerator.reduce(flag, reduction="sum")
-        if not bool(flag):
-            return False
-        self.skipped_steps += 1
-        if accelerator.is_main_process:
-            warnings.warn(
-                f"nonfinite_loss='skip': skipped optimizer step {progress.global_step + 1} (epoch {progress.epoch}): "
-                f"the loss was not finite; {self.skipped_steps} step(s) skipped in this fit",
-                UserWarning,
-                stacklevel=2,
-            )
-        return True
-
-
-def direct_optimizer(optimizer: Any, accelerator: Any) -> Any:
-    """The optimizer inside Accelerate's `AcceleratedOptimizer` when, at a step where gradients sync, the wrapper's
-    ``step()`` / ``zero_grad(set_to_none=True)`` would only call the inner ones; else ``None`` (call the wrapper).
-
-    That is the case for the wrapper itself (not DeepSpeed's or Megatron-LM's subclasses, whose step differs)
-    without a loss scaler (fp16), off XLA, and for an optimizer other than LOMO's, whose step the wrapper skips
-    (accelerate 1.x, ``accelerate/optimizer.py``). Decided once per optimizer: the wrapper itself looks up the
-    optional ``lomo_optim`` package with importlib twice per ``step()`` and reads ``inspect.signature`` of the
-    inner ``zero_grad`` at every ``zero_grad()``, about 40 µs per optimizer step on a CPU (see
-    docs/performance.md); calling the inner optimizer directly gives the same parameters, bit for bit.
-    """
-    from accelerate.optimizer import AcceleratedOptimizer
-    from accelerate.utils import DistributedType, is_lomo_available
-
-    if type(optimizer) is not AcceleratedOptimizer or optimizer.scaler is not None:
-        return None
-    if accelerator.distributed_type == DistributedType.XLA:
-        return None
-    inner = optimizer.optimizer
-    if is_lomo_available():
-        from lomo_optim import AdaLomo, Lomo
-
-        if isinstance(inner, Lomo | AdaLomo):
-            return None
-    try:
-        accepts = "set_to_none" in inspect.signature(inner.zero_grad).parameters
-    except (TypeError, ValueError):
-        accepts = False
-    return inner if accepts else None
 
 
 def as_outputs(result: Any, where: str) -> dict[str, Any]:

@@ -18,12 +18,12 @@ from torchloom.errors import ConfigError, PluginError, TaskError
 
 __all__ = [
     "NEGATIVE_ITEMS",
-    "TrainingChecks",
     "check_finite_parameters",
     "check_model",
     "check_optimizer_parameters",
     "check_same_length",
     "check_step_outputs",
+    "check_training",
     "eval_mode",
     "nonfinite_loss_error",
     "optimizer_steps",
@@ -218,22 +218,23 @@ def _parameter_listing(tensors: list[torch.Tensor], task: Any, limit: int = 6) -
 # --------------------------------------------------------------------------------------- several ranks
 
 
-def check_same_length(accelerator: Any, dataloader: Any, what: str) -> None:
-    """Raise on every rank if the ranks' ``dataloader`` lengths differ (one small all-gather).
+def check_same_length(agreement: Any, dataloader: Any, what: str) -> None:
+    """Raise on every rank if the ranks' ``dataloader`` lengths differ (one small gather of the run's
+    `torchloom.RankAgreement`).
 
     A rank with more batches would enter a gradient all-reduce that no other rank joins and wait forever.
-    Skipped on one process and for dataloaders without a length.
+    Skipped on one process; dataloaders without a length count as -1 (every rank must agree on that too).
 
     Raises:
         TaskError: the lengths differ (the message lists them per rank).
     """
-    if accelerator.num_processes < 2:
+    if agreement.num_processes < 2:
         return
     try:
         length = len(dataloader)
     except TypeError:
-        length = -1  # no length: every rank must agree on that too
-    lengths = accelerator.gather(torch.tensor([length], device=accelerator.device)).tolist()
+        length = -1
+    lengths = agreement.gather(length)
     if len(set(lengths)) > 1:
         listing = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(lengths))
         raise TaskError(
@@ -246,50 +247,48 @@ def check_same_length(accelerator: Any, dataloader: Any, what: str) -> None:
 # ------------------------------------------------------------------------------------------ non-finite
 
 
-#: Internal log name: the share of micro-batches whose tensor ``num_items`` was negative (`TrainingChecks`).
+#: Internal log name: the share of micro-batches whose tensor ``num_items`` was negative (`check_training`).
 NEGATIVE_ITEMS = "torchloom/negative_num_items"
 
 
-class TrainingChecks:
-    """Checks the reduced training values of the optimizer steps since the previous logging step.
-
-    The values are reduced over the ranks, so every rank decides alike (no rank raises alone).
+def check_training(
+    loss: float | None,
+    negative_items: float,
+    items: float | None,
+    steps: tuple[int, int],
+    epoch: int,
+    overflowed: bool,
+    nonfinite_loss: str,
+) -> None:
+    """Check one reduction of the training values logged over the optimizer steps ``steps`` (first, last; 1-based)
+    since the previous logging step. The values are reduced over the ranks, so every rank decides alike (no rank
+    raises alone).
 
     Args:
+        loss (`float`, *optional*): the reduced ``train/loss`` (``None`` if nothing was trained).
+        negative_items (`float`): the share of micro-batches with a negative tensor ``num_items``.
+        items (`float`, *optional*): the sum of ``num_items`` over the micro-batches and ranks (the summed weight of
+            ``train/loss``; ``None`` when nothing was logged).
+        steps (`tuple[int, int]`): the optimizer steps checked.
+        epoch (`int`): the current epoch.
+        overflowed (`bool`): the fp16 loss scaler skipped a step in this interval: under fp16 a non-finite loss
+            gives non-finite gradients, which the scaler skips (and lowers its scale), an overflow it handles.
         nonfinite_loss (`str`): `EngineConfig.nonfinite_loss`; only ``"error"`` raises for a non-finite loss.
+
+    Raises:
+        TaskError: a negative ``num_items``; a non-finite loss in a step the loss scaler did not skip, which is a
+            loss over no items when every micro-batch returned ``num_items`` 0 (`zero_items_error`).
     """
-
-    def __init__(self, nonfinite_loss: str) -> None:
-        self.nonfinite_loss = nonfinite_loss
-        self.checked_step = 0  # the optimizer steps up to here were checked
-        self.scaler_skips = 0  # fp16 loss-scaler skips up to checked_step
-
-    def check(
-        self, loss: float | None, negative_items: float, progress: Any, scaler_skips: int, items: float | None = None
-    ) -> None:
-        """Check one reduction: ``loss`` is the reduced ``train/loss`` (``None`` if nothing was trained),
-        ``negative_items`` the share of micro-batches with a negative tensor ``num_items``, ``scaler_skips`` the
-        fit's count of steps the fp16 loss scaler skipped, ``items`` the sum of ``num_items`` over the
-        micro-batches and ranks (the summed weight of ``train/loss``; ``None`` when nothing was logged).
-
-        Raises:
-            TaskError: a negative ``num_items``; a non-finite loss in a step the loss scaler did not skip, which
-                is a loss over no items when every micro-batch returned ``num_items`` 0 (`zero_items_error`).
-        """
-        first, last = self.checked_step + 1, progress.global_step
-        self.checked_step = last
-        # Under fp16 a non-finite loss gives non-finite gradients, which the loss scaler skips (and lowers its
-        # scale): an overflow it handles, not a failure.
-        overflowed, self.scaler_skips = scaler_skips > self.scaler_skips, scaler_skips
-        if negative_items > 0:
-            raise TaskError(
-                f"training_step returned a negative num_items in {optimizer_steps(first, last)}; num_items counts "
-                "the items (samples, labelled tokens) its loss is a mean over: it must be >= 0"
-            )
-        if loss is not None and self.nonfinite_loss == "error" and not math.isfinite(loss) and not overflowed:
-            if items == 0:  # the weighted mean over no items is 0 / 0: not a divergence
-                raise zero_items_error(loss, first, last, progress.epoch)
-            raise nonfinite_loss_error(loss, first, last, progress.epoch)
+    first, last = steps
+    if negative_items > 0:
+        raise TaskError(
+            f"training_step returned a negative num_items in {optimizer_steps(first, last)}; num_items counts "
+            "the items (samples, labelled tokens) its loss is a mean over: it must be >= 0"
+        )
+    if loss is not None and nonfinite_loss == "error" and not math.isfinite(loss) and not overflowed:
+        if items == 0:  # the weighted mean over no items is 0 / 0: not a divergence
+            raise zero_items_error(loss, first, last, epoch)
+        raise nonfinite_loss_error(loss, first, last, epoch)
 
 
 def check_step_outputs(outputs: Any, wrappers: list[str]) -> dict[str, Any]:

@@ -170,7 +170,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.data_loader.DataLoaderShard.synchronized_generator",
         "the shuffling sampler's generator, whose state a checkpoint keeps as the epoch started",
-        ("torchloom.engine",),
+        ("torchloom._loop",),
         kind="instance",
         make=_data_loader_shard,
     ),
@@ -224,24 +224,24 @@ INTERNALS: tuple[Internal, ...] = (
         "the attributes Accelerator sets without documenting them: scaler (whether fp16 loss scaling is on; the "
         "CPU GradScaler mixed_precision installs), native_amp and scaler_handler (that install), "
         "project_configuration (pointed at the run directory once it exists)",
-        ("torchloom.checkpoint", "torchloom.engine", "torchloom_plugins.mixed_precision"),
+        ("torchloom.checkpoint", "torchloom._lifetime", "torchloom_plugins.mixed_precision"),
         kind="source",
         contains=("self.scaler =", "self.native_amp =", "self.scaler_handler =", "self.project_configuration ="),
-        names=("scaler",),
+        names=("scaler", "project_configuration"),
     ),
     Internal(
         "accelerate.optimizer.AcceleratedOptimizer.step",
-        "the default step calls the inner optimizer directly when the wrapper's step would do nothing more (no "
-        "scaler, not XLA, not LOMO), reading AcceleratedOptimizer.scaler and .optimizer",
-        ("torchloom._default_step",),
+        "StepHooks.optimizer_step calls the inner optimizer directly when the wrapper's step would do nothing more "
+        "(no scaler, not XLA, not LOMO), reading AcceleratedOptimizer.scaler and .optimizer",
+        ("torchloom.step",),
         kind="source",
         contains=("self.scaler", "is_lomo_available", "XLA", "self.optimizer"),
         names=("AcceleratedOptimizer",),
     ),
     Internal(
         "accelerate.utils.is_lomo_available",
-        "whether the inner optimizer may be LOMO's, whose step the wrapper skips (the default step's fast path)",
-        ("torchloom._default_step",),
+        "whether the inner optimizer may be LOMO's, whose step the wrapper skips (the optimizer step's fast path)",
+        ("torchloom.step",),
     ),
     Internal(
         "accelerate.utils.str_to_bool",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
 
 from torchloom._internals import metric_is_synced
 from torchloom._metric_sync import even_list_states, gather_states, has_list_state, uneven
@@ -190,7 +189,7 @@ class LogBuffer:
     def __bool__(self) -> bool:
         return bool(self._reductions)
 
-    def reduce(self, accelerator: Any, weights: tuple[str, ...] = ()) -> dict[str, float]:
+    def reduce(self, accelerator: Any, agreement: Any, weights: tuple[str, ...] = ()) -> dict[str, float]:
         """Return name -> value over everything buffered, the same on every rank, and clear the buffer.
 
         Plain values: one collective (a gather of every name's partial result) and one device-to-host copy,
@@ -200,6 +199,11 @@ class LogBuffer:
         several names is computed once, and every name gets its value. For each ``mean`` name in ``weights``
         that was logged, the summed weight over the interval and the ranks is returned too, as
         ``WEIGHT_PREFIX + name`` (``torchloom/weight/train/loss``: the items the training loss is a mean over).
+
+        Args:
+            accelerator: the run's Accelerator (the values are gathered on its device).
+            agreement (`RankAgreement`): the run's; the ranks' names and problems are compared through it.
+            weights (`tuple[str, ...]`): ``mean`` names whose summed weight to return too.
 
         Raises:
             TaskError: the ranks logged different names or reductions; a rank recorded a problem with `fail`
@@ -215,7 +219,7 @@ class LogBuffer:
             # the reduction below mismatch or hang) into a clear error, and a problem of one rank into the same
             # error on every rank.
             signature = sorted(n if r == "mean" else f"{n} ({r})" for n, r in self._reductions.items())
-            per_rank = gather_object([(signature, self._failures)])
+            per_rank = agreement.gather((signature, self._failures))
             failures = [(rank, f) for rank, (_, found) in enumerate(per_rank) for f in found]
             if not failures and any(other != signature for other, _ in per_rank):
                 listing = "; ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(per_rank))

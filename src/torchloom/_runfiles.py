@@ -24,7 +24,6 @@ from torchloom._atomic import atomic_directory, remove_orphans, temporary_path, 
 from torchloom._export import MODEL_CARD, model_card
 from torchloom._guards import check_finite_parameters
 from torchloom._layout import CHECKPOINTS_DIR, LATEST, MODEL_DIR, RUN_DIR, run_directories
-from torchloom._logging import active_run_log
 from torchloom._strict_json import json_dumps
 from torchloom.errors import RunFileError
 from torchloom.hookspecs import hookimpl
@@ -75,10 +74,11 @@ def start_run_files(run_dir: str, run_config: Mapping[str, Any]) -> None:
     _write(os.path.join(run_dir, "metrics.jsonl"), "")
 
 
-def finish_fit(task: Any, run: Any, config: Any) -> None:
+def finish_fit(task: Any, run: Any, config: Any, logs: Any) -> None:
     """The end of a completed fit: save ``<run_dir>/model`` with `TaskModule.save_model` (``save_model: true``; every
     rank calls it), unless the weights are not finite, with its model card ``torchloom_model.json`` next to it
-    (`write_model_card`); then point ``<output_dir>/latest`` at this run.
+    (`write_model_card`, from the run log ``logs``: its latest values and last record); then point
+    ``<output_dir>/latest`` at this run.
 
     Raises:
         TaskError: a weight is NaN or infinite (``nonfinite_loss`` other than ``"ignore"``).
@@ -98,7 +98,7 @@ def finish_fit(task: Any, run: Any, config: Any) -> None:
             with atomic_directory(path, pid=pid[0], rename=acc.is_main_process) as tmp:
                 task.save_model(str(tmp))
                 if acc.is_main_process and tmp.is_dir():  # an overridden save_model may write elsewhere
-                    write_model_card(str(tmp), run)
+                    write_model_card(str(tmp), run, logs.latest, logs.history[-1] if logs.history else {})
         except Exception as exc:
             reason = write_failure(exc, path)
             if reason is None:
@@ -117,12 +117,13 @@ def finish_fit(task: Any, run: Any, config: Any) -> None:
             raise RunFileError(f"cannot point {link!r} at {run.run_dir!r}: {exc.strerror or exc}") from exc
 
 
-def write_model_card(directory: str, run: Any) -> str:
+def write_model_card(directory: str, run: Any, metrics: Mapping[str, float], last: Mapping[str, Any]) -> str:
     """Write the model card of a completed fit, ``<directory>/torchloom_model.json``, atomically (main process).
 
     It holds the run's resolved config (``config.yaml``, read back), the plugins and their settings, the final
-    logged values and the step and epoch of the last of them (what ``fit`` returns), the model's class and
-    parameter counts, and the versions of torchloom, torch, accelerate and the other libraries installed.
+    logged values ``metrics`` and the step and epoch of ``last``, the last record of them (what ``fit`` returns),
+    the model's class and parameter counts, and the versions of torchloom, torch, accelerate and the other
+    libraries installed.
 
     Raises:
         RunFileError: the card cannot be written.
@@ -132,11 +133,8 @@ def write_model_card(directory: str, run: Any) -> str:
             run_config = yaml.safe_load(f)
     except (OSError, yaml.YAMLError):
         run_config = None
-    run_log = active_run_log()
-    metrics = dict(run_log.latest) if run_log is not None else {}
-    last = run_log.history[-1] if run_log is not None and run_log.history else {}
     model = run.accelerator.unwrap_model(run.model)
-    card = model_card(model, run_config, metrics, last.get("step"), last.get("epoch"))
+    card = model_card(model, run_config, dict(metrics), last.get("step"), last.get("epoch"))
     path = os.path.join(directory, MODEL_CARD)
     _replace_atomically(path, json_dumps(card, indent=1) + "\n")
     return path

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
+from torchloom._agreement import RankAgreement
 from torchloom._guards import (
     check_model,
     check_optimizer_parameters,
@@ -43,6 +44,7 @@ class Run:
     val_dataloader: Any = None
     predict_dataloader: Any = None
     run_dir: str = ""  # this call's directory, <output_dir>/version_N
+    agreement: RankAgreement = field(default_factory=lambda: RankAgreement(1))  # how the processes decide alike
 
 
 def prepare_run(
@@ -108,7 +110,8 @@ def prepare_run(
     task.model = model
     if accelerator.is_main_process:
         start_run_files(run_dir, run_config)
-    return Run(accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl, run_dir)
+    agreement = RankAgreement(accelerator.num_processes)
+    return Run(accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl, run_dir, agreement)
 
 
 #: Set-ups whose wrapper holds (shards) the weights: ``validate`` / ``predict`` prepare the model in full there.
@@ -186,7 +189,7 @@ def sanity_check(task: TaskModule, run: Run, num_batches: int, logs: Any) -> Non
     loader, acc = run.val_dataloader, run.accelerator
     if num_batches == 0 or loader is None:
         return
-    check_same_length(acc, loader, "validation")
+    check_same_length(run.agreement, loader, "validation")
     devices = [acc.device.index or 0] if acc.device.type == "cuda" else []
     try:
         with logs.discarding(), eval_mode(run.model), torch.no_grad(), torch.random.fork_rng(devices):

@@ -35,13 +35,12 @@ import os
 import random
 import shutil
 from collections.abc import Callable, Iterable, Mapping
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import DistributedType, broadcast_object_list, gather_object
+from accelerate.utils import DistributedType, broadcast_object_list
 
 from torchloom import _atomic as atomic
 from torchloom._atomic import temporary_path
@@ -58,7 +57,7 @@ __all__ = [
     "find_checkpoint",
     "list_checkpoints",
     "read_manifest",
-    "save_checkpoint",
+    "write_checkpoint",
 ]
 
 #: Version 2: the data position in samples of the global order with what defines that order, and the random
@@ -70,46 +69,6 @@ _ACCELERATE_RANDOM_STATES = "random_states_{}.pkl"
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 _UNCHECKED: Any = object()  # check_compatible: an argument not to compare
-
-_SAVER: ContextVar[Callable[[str | None], str] | None] = ContextVar("torchloom_checkpoint_saver", default=None)
-
-
-def save_checkpoint(directory: str | os.PathLike[str] | None = None) -> str:
-    """Save the state of the running fit, so that ``fit(..., ckpt_path=...)`` continues it exactly.
-
-    Call it on every process at the same point, from ``on_train_step_end`` (after an optimizer step) or
-    ``on_train_epoch_end``: it writes on every process (each its random states) and waits for all of them.
-    The `checkpoint` plugin calls it on a schedule; a plugin of your own can too.
-
-    Args:
-        directory (`str` or `os.PathLike`, *optional*): where to write; must not exist. Defaults to
-            ``<run_dir>/checkpoints/step-<global_step, 8 digits>`` (``...-epoch-end`` from
-            ``on_train_epoch_end``).
-
-    Returns:
-        `str`: the path of the complete checkpoint.
-
-    Raises:
-        RuntimeError: no fit is running in this thread, or it is called outside those two hooks.
-        CheckpointError: ``directory`` already exists.
-        PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
-        RunFileError: the files cannot be written (the disk is full, ...); nothing is left under the final name.
-    """
-    saver = _SAVER.get()
-    if saver is None:
-        raise RuntimeError("save_checkpoint() called outside Engine.fit")
-    return saver(None if directory is None else os.fspath(directory))
-
-
-@contextlib.contextmanager
-def active_saver(saver: Callable[[str | None], str]) -> Any:
-    """Make ``saver`` what `save_checkpoint` calls in this thread, for the duration of a fit (the engine's)."""
-    token = _SAVER.set(saver)
-    try:
-        yield
-    finally:
-        _SAVER.reset(token)
-
 
 # ---------------------------------------------------------------------------------------------------- writing
 
@@ -131,6 +90,7 @@ def write_checkpoint(
     plugins: Iterable[Any],
     engine_state: dict[str, Any],
     metrics: Mapping[str, float],
+    agreement: Any,
     process_state: dict[str, Any] | None = None,
 ) -> str:
     """Write a checkpoint into ``directory`` atomically (every process calls this); return its path.
@@ -154,7 +114,8 @@ def write_checkpoint(
     tmp, main = temporary_path(final, pid=message[1]), accelerator.is_main_process
     own_state = {**(process_state or {}), "random_states": random_states()}  # what save_state would pickle
     try:
-        failure = _agree(accelerator, _write_parts(tmp, accelerator, plugins, scheduler, engine_state, own_state))
+        # The processes agree on the outcome (`RankAgreement.first`): a write that failed on one fails on all
+        failure = agreement.first(_write_parts(tmp, accelerator, plugins, scheduler, engine_state, own_state))
         if failure is None and main:  # every process's files are complete
             try:
                 manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics)
@@ -203,13 +164,6 @@ def _write_parts(
     return None
 
 
-def _agree(accelerator: Any, failure: str | None) -> str | None:
-    """The first process's failure, the same on every process (one small object gather with several)."""
-    if accelerator.num_processes == 1:
-        return failure
-    return next((f for f in gather_object([failure]) if f is not None), None)
-
-
 def _no_load(state: dict[str, Any]) -> None:  # pragma: no cover - never called on save
     raise AssertionError
 
@@ -236,7 +190,7 @@ def _manifest(
         "format": FORMAT,
         "version": VERSION,
         "torchloom_version": __version__,
-        "global_step": engine_state["progress"]["global_step"],
+        "global_step": engine_state["global_step"],
         "epoch": engine_state["position"]["epoch"],
         "position": engine_state["position"],
         "world_size": accelerator.num_processes,

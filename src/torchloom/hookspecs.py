@@ -31,7 +31,7 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
             on_train_batch_start              1x per micro-batch
             run_train_step                    1x per micro-batch; the default implementation calls:
                 before_backward               1x per micro-batch
-                before_optimizer_step         1x per optimizer step (when gradients sync)
+                before_optimizer_step         1x per optimizer step (when gradients sync; hooks.optimizer_step)
                 after_optimizer_step          1x per optimizer step
             on_train_batch_end                1x per micro-batch
             on_log                            every log_every_n_steps optimizer steps
@@ -294,15 +294,20 @@ def run_train_step(
         hooks.before_backward(outputs, ...)                        # may replace outputs["loss"]
         accelerator.backward(outputs["loss"])                      # divides by gradient_accumulation_steps
         if accelerator.sync_gradients:                             # last micro-batch of a window
-            hooks.before_optimizer_step(model, optimizer, ...)     # unscaled grads; clip here
-            optimizer.step()
-            if not optimizer.step_was_skipped: scheduler.step()   # fp16 overflow skips both
-            optimizer.zero_grad(set_to_none=True)
-            hooks.after_optimizer_step(model, optimizer, scheduler, ...)
+            hooks.optimizer_step(model, optimizer, scheduler, ...)
+
+    where ``hooks.optimizer_step`` is the engine's part of the step: with ``nonfinite_loss="skip"`` it skips a
+    window whose loss was not finite on any rank (counted as ``train/skipped_steps``); otherwise it fires
+    ``before_optimizer_step`` (unscaled gradients: clip here), calls ``optimizer.step()``, steps the scheduler
+    unless the fp16 loss scaler skipped the step (an overflow, counted as ``train/scaler_skipped_steps``),
+    ``zero_grad(set_to_none=True)``, and fires ``after_optimizer_step``.
 
     An implementation that *replaces* the step (returns a result before the default runs: a two-pass SAM
-    step, a GAN step) fires the three step hooks through ``hooks`` at the same points, so that gradient
-    clipping, LocalSGD, the accumulation rescale and learning-rate logging keep working.
+    step, a GAN step) calls ``hooks.before_backward`` and ``hooks.optimizer_step`` at the same points (see
+    `torchloom.StepHooks`), so that gradient clipping, LocalSGD, the accumulation rescale and learning-rate
+    logging keep working, and so do the engine's ``nonfinite_loss`` setting and the loss scaler's accounting. A
+    step that calls ``optimizer.step()`` itself fires ``hooks.before_optimizer_step`` / ``after_optimizer_step``
+    around it, and does without those two.
 
     Context-type techniques wrap it instead of replacing it, the way pytest's capture plugin wraps
     ``pytest_runtest_call``:
@@ -322,8 +327,9 @@ def run_train_step(
         micro-batch ends an accumulation window (set by ``accelerator.accumulate``).
     :param batch: the micro-batch, on the device.
     :param progress: counters for this micro-batch.
-    :param hooks: a `torchloom.StepHooks`: ``hooks.before_backward(...)``, ``hooks.before_optimizer_step(...)``,
-        ``hooks.after_optimizer_step(...)`` fire those hooks; ``hooks.log`` buffers a value for logging.
+    :param hooks: a `torchloom.StepHooks`: ``hooks.before_backward(...)`` and ``hooks.optimizer_step(...)``, as
+        above; ``hooks.before_optimizer_step(...)`` and ``hooks.after_optimizer_step(...)`` fire those hooks alone;
+        ``hooks.log`` buffers a value for logging.
 
     **Returns:** the step's outputs as a dict whose ``"loss"`` is the raw, detached micro-batch loss
     (0-dim tensor, not divided by the accumulation steps). Stops at the first non-None result. A result that

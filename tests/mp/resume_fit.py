@@ -294,7 +294,11 @@ def snapshot(engine: torchloom.Engine) -> dict[str, Any]:
         "micro_step": engine.progress.micro_step,
         "epoch": engine.progress.epoch,
         "accelerate_step": acc.step,
-        "skipped_steps": [engine._default_step.skipped_steps, engine._default_step.scaler_skipped_steps],
+        # the fit's counts as logged (train/skipped_steps with nonfinite_loss="skip", the scaler's with fp16)
+        "skipped_steps": [
+            engine.logged_metrics.get("train/skipped_steps", 0),
+            engine.logged_metrics.get("train/scaler_skipped_steps", 0),
+        ],
     }
 
 

@@ -1,4 +1,4 @@
-"""Data for torchloom runs: `DataModule`, text, image and audio preprocessing and the processed-dataset cache.
+"""Data for torchloom runs: `DataModule`, its cached base, text, image and audio preprocessing, the cache.
 
 `DataModule` is imported with ``torchloom``; the preprocessing names load `datasets` and `transformers`, so
 they are imported on first use (``from torchloom.data import TextClassificationData``), not by ``import
@@ -13,79 +13,99 @@ from typing import TYPE_CHECKING, Any
 from torchloom.data.module import DataModule
 
 if TYPE_CHECKING:
-    from torchloom.data.audio import (
-        AudioClassificationData,
+    from torchloom.data.audio import AudioClassificationData
+    from torchloom.data.audio_decoding import (
+        fix_length,
+        read_audio,
+        resample,
+    )
+    from torchloom.data.audio_features import (
         LogMelSpectrogram,
-        audio_fingerprint,
         build_feature_extractor,
         extract_features,
         feature_extractor_fingerprint,
-        fix_length,
-        read_audio,
-        read_audio_folder,
-        resample,
     )
-    from torchloom.data.cache import DatasetCache, cache_key, default_cache_dir, fingerprint
-    from torchloom.data.image import (
-        ImageAugmentation,
-        ImageClassificationData,
-        ImageTransform,
+    from torchloom.data.audio_folders import (
+        audio_fingerprint,
+        read_audio_folder,
+    )
+    from torchloom.data.base import CachedDataModule
+    from torchloom.data.cache import (
+        DatasetCache,
+        cache_key,
+        default_cache_dir,
+        fingerprint,
+    )
+    from torchloom.data.image import ImageClassificationData
+    from torchloom.data.image_decoding import load_image
+    from torchloom.data.image_folders import (
         image_data_fingerprint,
         image_table,
-        load_image,
+        read_image_folder,
+    )
+    from torchloom.data.image_transforms import (
+        ImageAugmentation,
+        ImageTransform,
         load_image_processor,
         preprocess_images,
         random_crop,
         random_horizontal_flip,
-        read_image_folder,
+    )
+    from torchloom.data.tables import (
+        encode_labels,
+        read_table,
+        require_column,
+        resolve_label_names,
     )
     from torchloom.data.text import (
         TextClassificationData,
-        encode_labels,
+        TextData,
         load_tokenizer,
-        read_table,
-        resolve_label_names,
         tokenize,
         tokenizer_fingerprint,
     )
 
 _LAZY = {
     "AudioClassificationData": "torchloom.data.audio",
-    "LogMelSpectrogram": "torchloom.data.audio",
-    "audio_fingerprint": "torchloom.data.audio",
-    "build_feature_extractor": "torchloom.data.audio",
-    "extract_features": "torchloom.data.audio",
-    "feature_extractor_fingerprint": "torchloom.data.audio",
-    "fix_length": "torchloom.data.audio",
-    "read_audio": "torchloom.data.audio",
-    "read_audio_folder": "torchloom.data.audio",
-    "resample": "torchloom.data.audio",
+    "fix_length": "torchloom.data.audio_decoding",
+    "read_audio": "torchloom.data.audio_decoding",
+    "resample": "torchloom.data.audio_decoding",
+    "LogMelSpectrogram": "torchloom.data.audio_features",
+    "build_feature_extractor": "torchloom.data.audio_features",
+    "extract_features": "torchloom.data.audio_features",
+    "feature_extractor_fingerprint": "torchloom.data.audio_features",
+    "audio_fingerprint": "torchloom.data.audio_folders",
+    "read_audio_folder": "torchloom.data.audio_folders",
+    "CachedDataModule": "torchloom.data.base",
     "DatasetCache": "torchloom.data.cache",
     "cache_key": "torchloom.data.cache",
     "default_cache_dir": "torchloom.data.cache",
     "fingerprint": "torchloom.data.cache",
-    "ImageAugmentation": "torchloom.data.image",
     "ImageClassificationData": "torchloom.data.image",
-    "ImageTransform": "torchloom.data.image",
-    "image_data_fingerprint": "torchloom.data.image",
-    "image_table": "torchloom.data.image",
-    "load_image": "torchloom.data.image",
-    "load_image_processor": "torchloom.data.image",
-    "preprocess_images": "torchloom.data.image",
-    "random_crop": "torchloom.data.image",
-    "random_horizontal_flip": "torchloom.data.image",
-    "read_image_folder": "torchloom.data.image",
+    "load_image": "torchloom.data.image_decoding",
+    "image_data_fingerprint": "torchloom.data.image_folders",
+    "image_table": "torchloom.data.image_folders",
+    "read_image_folder": "torchloom.data.image_folders",
+    "ImageAugmentation": "torchloom.data.image_transforms",
+    "ImageTransform": "torchloom.data.image_transforms",
+    "load_image_processor": "torchloom.data.image_transforms",
+    "preprocess_images": "torchloom.data.image_transforms",
+    "random_crop": "torchloom.data.image_transforms",
+    "random_horizontal_flip": "torchloom.data.image_transforms",
+    "encode_labels": "torchloom.data.tables",
+    "read_table": "torchloom.data.tables",
+    "require_column": "torchloom.data.tables",
+    "resolve_label_names": "torchloom.data.tables",
     "TextClassificationData": "torchloom.data.text",
-    "encode_labels": "torchloom.data.text",
+    "TextData": "torchloom.data.text",
     "load_tokenizer": "torchloom.data.text",
-    "read_table": "torchloom.data.text",
-    "resolve_label_names": "torchloom.data.text",
     "tokenize": "torchloom.data.text",
     "tokenizer_fingerprint": "torchloom.data.text",
 }
 
 __all__ = [
     "AudioClassificationData",
+    "CachedDataModule",
     "DataModule",
     "DatasetCache",
     "ImageAugmentation",
@@ -93,6 +113,7 @@ __all__ = [
     "ImageTransform",
     "LogMelSpectrogram",
     "TextClassificationData",
+    "TextData",
     "audio_fingerprint",
     "build_feature_extractor",
     "cache_key",
@@ -114,6 +135,7 @@ __all__ = [
     "read_audio_folder",
     "read_image_folder",
     "read_table",
+    "require_column",
     "resample",
     "resolve_label_names",
     "tokenize",

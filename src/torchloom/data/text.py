@@ -19,9 +19,7 @@ longest sequence.
 
 from __future__ import annotations
 
-import logging
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -31,17 +29,18 @@ import huggingface_hub
 import pandas as pd
 import pyarrow
 import tokenizers
-import torch
 import transformers
-from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
 
-from torchloom.data.cache import DatasetCache, cache_key, fingerprint
-from torchloom.data.module import DataModule
+from torchloom.data.base import CachedDataModule
+from torchloom.data.cache import cache_key, fingerprint
+from torchloom.data.tables import TABLE_READERS as TABLE_READERS  # the names text.py had before tables.py
+from torchloom.data.tables import TableSource, encode_labels, read_table, require_column, resolve_label_names
 from torchloom.errors import ConfigError
 
 __all__ = [
     "TextClassificationData",
+    "TextData",
     "encode_labels",
     "load_tokenizer",
     "read_table",
@@ -50,16 +49,6 @@ __all__ = [
     "tokenizer_fingerprint",
 ]
 
-logger = logging.getLogger(__name__)
-
-#: File suffixes `read_table` reads, and the `datasets` reader each one goes through.
-TABLE_READERS = {
-    ".csv": "csv",
-    ".tsv": "csv",
-    ".json": "json",
-    ".jsonl": "json",
-    ".parquet": "parquet",
-}
 #: Files that define a tokenizer besides its vocabulary files (``tokenizer.vocab_files_names``).
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -70,7 +59,8 @@ _TOKENIZER_FILES = (
     "chat_template.json",
 )
 
-TextSource: TypeAlias = str | os.PathLike[str] | pd.DataFrame | datasets.Dataset
+#: What a text data module reads for a split (see `read_table`).
+TextSource: TypeAlias = TableSource
 
 
 # ------------------------------------------------------------------------------------------- tokenizers
@@ -147,155 +137,7 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase, revision: str | No
     return cache_key(tokenizer_class=type(tokenizer).__name__, files=files)
 
 
-# ------------------------------------------------------------------------------------------------ tables
-
-
-def read_table(source: TextSource, name: str = "data") -> datasets.Dataset:
-    """Return ``source`` as a `datasets.Dataset`.
-
-    Args:
-        source: a `datasets.Dataset` (returned as is), a `pandas.DataFrame`, a directory written by
-            ``save_to_disk``, or a ``.csv`` / ``.tsv`` / ``.json`` / ``.jsonl`` / ``.parquet`` file (read with
-            the matching `datasets.Dataset` reader, fully into memory, leaving no Hugging Face cache behind).
-        name (`str`, defaults to ``"data"``): what to call it in error messages, e.g. ``"train data"``.
-
-    Raises:
-        ConfigError: the path does not exist, cannot be read or parsed, or has an unsupported suffix.
-    """
-    if isinstance(source, datasets.Dataset):
-        return source
-    if isinstance(source, pd.DataFrame):
-        return datasets.Dataset.from_pandas(source, preserve_index=False)
-    if not isinstance(source, str | os.PathLike):
-        raise ConfigError(
-            f"{name}: got a {type(source).__name__}; expected a file path, a save_to_disk directory, "
-            "a pandas.DataFrame or a datasets.Dataset"
-        )
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise ConfigError(f"{name} path '{path}' does not exist")
-    try:
-        if path.is_dir():
-            loaded = datasets.load_from_disk(str(path))
-            if not isinstance(loaded, datasets.Dataset):
-                raise ConfigError(
-                    f"{name} path '{path}' holds a DatasetDict (splits {', '.join(loaded)}); give one split's directory"
-                )
-            return loaded
-        reader = TABLE_READERS.get(path.suffix.lower())
-        if reader is None:
-            raise ConfigError(
-                f"{name} path '{path}' has an unsupported suffix {path.suffix!r}; expected one of "
-                f"{', '.join(TABLE_READERS)} or a save_to_disk directory"
-            )
-        kwargs: dict[str, Any] = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
-        with tempfile.TemporaryDirectory(prefix="torchloom-read-") as scratch:
-            load = getattr(datasets.Dataset, f"from_{reader}")
-            return load(str(path), keep_in_memory=True, cache_dir=scratch, **kwargs)
-    except ConfigError:
-        raise
-    except Exception as exc:  # datasets wraps parse errors in several types (DatasetGenerationError, ArrowInvalid)
-        reason = str(exc.__cause__ or exc).strip().splitlines()
-        raise ConfigError(
-            f"{name} path '{path}' cannot be read as {path.suffix or 'a dataset directory'}: "
-            f"{reason[0] if reason else type(exc).__name__}"
-        ) from None
-
-
-def resolve_label_names(
-    dataset: datasets.Dataset,
-    column: str,
-    names: Sequence[str] | None = None,
-    name: str = "data",
-) -> list[str]:
-    """Return the class names, in id order, that `encode_labels` gives ``column``, without encoding anything.
-
-    This is the label mapping of the processed data (class ``i`` is ``names[i]``), so a data module puts it in
-    its cache key.
-
-    Args:
-        dataset (`datasets.Dataset`): the table.
-        column (`str`): the label column: strings, non-negative integers (kept as class ids), or a
-            `datasets.ClassLabel`.
-        names (`Sequence[str]`, *optional*): the class names in id order. ``None``: the sorted distinct strings of
-            the column, or ``"0" ... "<max>"`` for integers, or the column's own `ClassLabel` names.
-        name (`str`, defaults to ``"data"``): what to call the table in error messages.
-
-    Returns:
-        `list[str]`: the class names, in id order.
-
-    Raises:
-        ConfigError: ``column`` is missing or has missing values, a value is not one of ``names``, an integer label
-            is negative or out of range, or the values are of another type.
-    """
-    _require_column(dataset, column, "label_column", name)
-    feature = dataset.features[column]
-    values = dataset.unique(column)
-    if any(v is None for v in values):
-        raise ConfigError(f"{name}: label_column {column!r} has missing values; every row needs a label")
-    if isinstance(feature, datasets.ClassLabel):
-        target = list(names) if names is not None else list(feature.names)
-        if sorted(target) != sorted(feature.names):
-            raise ConfigError(f"{name}: label_names {target} do not match the classes of {column!r} ({feature.names})")
-    elif all(isinstance(v, str) for v in values):
-        target = list(names) if names is not None else sorted(values)
-        unknown = sorted(set(values) - set(target))
-        if unknown:
-            raise ConfigError(
-                f"{name}: label_column {column!r} has values {unknown[:5]} that are not in label_names {target}"
-            )
-    elif all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        target = list(names) if names is not None else [str(i) for i in range(max(values) + 1)]
-        bad = sorted(v for v in values if not 0 <= v < len(target))
-        if bad:
-            raise ConfigError(
-                f"{name}: label_column {column!r} has integer labels {bad[:5]} outside 0..{len(target) - 1} "
-                f"(label_names {target})"
-            )
-    else:
-        raise ConfigError(
-            f"{name}: label_column {column!r} has values of type {feature}; expected strings, non-negative "
-            "integers or a ClassLabel"
-        )
-    return target
-
-
-def encode_labels(
-    dataset: datasets.Dataset,
-    column: str,
-    names: Sequence[str] | None = None,
-    name: str = "data",
-) -> datasets.Dataset:
-    """Encode ``column`` as a `datasets.ClassLabel` column named ``labels`` (what transformers models expect).
-
-    Args:
-        dataset (`datasets.Dataset`): the table.
-        column (`str`): the label column: strings, non-negative integers (kept as class ids), or a
-            `datasets.ClassLabel`.
-        names (`Sequence[str]`, *optional*): the class names in id order. ``None``: the sorted distinct strings of
-            the column, or ``"0" ... "<max>"`` for integers, or the column's own `ClassLabel` names
-            (`resolve_label_names`).
-        name (`str`, defaults to ``"data"``): what to call the table in error messages.
-
-    Returns:
-        `datasets.Dataset`: ``column`` replaced by ``labels`` of dtype int64 with a `ClassLabel` feature.
-
-    Raises:
-        ConfigError: ``column`` is missing or has missing values, a value is not one of ``names``, or an
-            integer label is negative or out of range.
-    """
-    target = resolve_label_names(dataset, column, names, name)
-    feature = dataset.features[column]
-    if isinstance(feature, datasets.ClassLabel):
-        if target != list(feature.names):
-            dataset = dataset.align_labels_with_mapping({n: i for i, n in enumerate(target)}, column)
-    else:
-        dataset = dataset.cast_column(column, datasets.ClassLabel(names=target))
-    if column != "labels":
-        if "labels" in dataset.column_names:
-            dataset = dataset.remove_columns("labels")
-        dataset = dataset.rename_column(column, "labels")
-    return dataset
+# ---------------------------------------------------------------------------------------------- tokenising
 
 
 def tokenize(
@@ -331,7 +173,7 @@ def tokenize(
     """
     columns = [text_column] + ([text_pair_column] if text_pair_column else [])
     for setting, column in zip(("text_column", "text_pair_column"), columns):
-        _require_column(dataset, column, setting, name)
+        require_column(dataset, column, setting, name)
         feature = dataset.features[column]
         if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
             raise ConfigError(f"{name}: {setting} {column!r} has type {feature}; expected a string column")
@@ -360,24 +202,102 @@ def tokenize(
     )
 
 
-def _require_column(dataset: datasets.Dataset, column: str, setting: str, name: str) -> None:
-    if column not in dataset.column_names:
-        raise ConfigError(
-            f"{name}: {setting} {column!r} is not a column; the columns are {', '.join(dataset.column_names)}"
-        )
-
-
 # ------------------------------------------------------------------------------------------- DataModule
 
 
-class TextClassificationData(DataModule):
+class TextData(CachedDataModule):
+    """The part every tokenised-text data module shares, on `CachedDataModule`: tables and a tokenizer.
+
+    Splits are tables read with `read_table`; the tokenizer is loaded on first use (`load_tokenizer`). For the
+    cache key, `source_settings` gives each split's `fingerprint` and reader and `versions` the libraries that
+    parse and tokenise; a subclass adds its own settings in `cache_settings` and tokenises in ``preprocess``.
+    `TextClassificationData` is one; a language-model or chat module is another.
+
+    Args:
+        train: the training table: a ``.csv`` / ``.tsv`` / ``.json`` / ``.jsonl`` / ``.parquet`` path, a
+            ``save_to_disk`` directory, a `pandas.DataFrame` or a `datasets.Dataset` (see `read_table`).
+        validation (*optional*): the validation table, same kinds.
+        tokenizer (`str` or `os.PathLike`): a local model/tokenizer directory or a Hub id (`load_tokenizer`).
+        tokenizer_revision (`str`, *optional*): the Hub revision of ``tokenizer``.
+        **settings: the settings of `CachedDataModule` (``label_column``, ``batch_size``, ``cache_dir`` ...).
+
+    Attributes:
+        tokenizer_name (`str` or `os.PathLike`), tokenizer_revision (`str` or ``None``): the arguments.
+    """
+
+    train_description = "the training table (a path or a table)"
+    preprocessing_description = "tokenising"
+
+    def __init__(
+        self,
+        train: str | os.PathLike[str] | Any | None = None,
+        validation: str | os.PathLike[str] | Any | None = None,
+        *,
+        tokenizer: str | os.PathLike[str] | None = None,
+        tokenizer_revision: str | None = None,
+        **settings: Any,
+    ) -> None:
+        if tokenizer is None or not isinstance(tokenizer, str | os.PathLike) or not os.fspath(tokenizer):
+            raise ConfigError(
+                f"{type(self).__name__}: tokenizer={tokenizer!r}; expected a model/tokenizer directory or a Hub id"
+            )
+        super().__init__(train, validation, **settings)
+        self.tokenizer_name, self.tokenizer_revision = tokenizer, tokenizer_revision
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.tokenizer_name, self.tokenizer_revision)
+        return self._tokenizer
+
+    def read_split(self, split: str, source: TextSource) -> datasets.Dataset:
+        """The table of ``split`` (`read_table`)."""
+        return read_table(source, self.split_name(split))
+
+    def source_settings(self) -> dict[str, Any]:
+        """The raw tables for the key, without reading them: ``data``, each split's `fingerprint` (file bytes, or
+        table contents with every value's type), and ``suffixes``, its reader (a path's suffix, else its type).
+
+        Raises:
+            ConfigError: a data path that does not exist (names the split) or cannot be read.
+        """
+        data, suffixes = {}, {}
+        for split, source in self.sources().items():
+            if isinstance(source, str | os.PathLike):
+                path = Path(source).expanduser()
+                if not path.exists():
+                    raise ConfigError(f"{type(self).__name__}: {split} data path '{path}' does not exist")
+                suffixes[split] = path.suffix.lower()
+            else:
+                suffixes[split] = type(source).__name__
+            data[split] = fingerprint(source)
+        return {"data": data, "suffixes": suffixes}
+
+    def versions(self) -> dict[str, str]:
+        """The versions of the libraries that parse the tables (pandas and pyarrow decide a label column's type
+        too) and tokenise them."""
+        return {
+            "datasets": datasets.__version__,
+            "pandas": pd.__version__,
+            "pyarrow": pyarrow.__version__,
+            "tokenizers": tokenizers.__version__,
+            "transformers": transformers.__version__,
+        }
+
+
+class TextClassificationData(TextData):
     """Tokenised text classification data from any table with a text column and a label column.
 
     ``prepare_data`` reads the tables, encodes the labels (`encode_labels`), tokenises (`tokenize`) and saves
     both splits with ``save_to_disk`` in the processed-dataset cache, under a key that hashes the raw data and
     every setting below that shapes the result; a second run with the same inputs loads them instead (the
     ``cache_hit`` attribute says which happened). ``setup`` loads the splits (memory-mapped) and takes the
-    ``max_*_samples`` subsets; the dataloaders pad each batch with `transformers.DataCollatorWithPadding`.
+    ``max_*_samples`` subsets; the dataloaders pad each batch with `transformers.DataCollatorWithPadding`
+    (`collator`): a batch is a dict of int64 tensors ``input_ids``, ``attention_mask`` (and ``token_type_ids`` for
+    BERT-like tokenizers) of shape ``(batch, longest)`` and ``labels`` of shape ``(batch,)``. The steps are those of
+    `CachedDataModule`; the tables and the tokenizer are `TextData`'s; this class adds the columns and `tokenize`.
 
     Args:
         train: the training table: a ``.csv`` / ``.tsv`` / ``.json`` / ``.jsonl`` / ``.parquet`` path, a
@@ -440,78 +360,29 @@ class TextClassificationData(DataModule):
         cache_dir: str | os.PathLike[str] | None = None,
         tokenizer_revision: str | None = None,
     ) -> None:
-        cls = type(self).__name__
-        if tokenizer is None or not isinstance(tokenizer, str | os.PathLike) or not os.fspath(tokenizer):
-            raise ConfigError(f"{cls}: tokenizer={tokenizer!r}; expected a model/tokenizer directory or a Hub id")
-        for setting, value in (("text_column", text_column), ("label_column", label_column)):
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{cls}: {setting}={value!r}; expected a column name")
-        if text_pair_column is not None and (not isinstance(text_pair_column, str) or not text_pair_column):
-            raise ConfigError(f"{cls}: text_pair_column={text_pair_column!r}; expected a column name or None")
-        if label_names is not None:
-            if (
-                isinstance(label_names, str)
-                or not all(isinstance(n, str) for n in label_names)
-                or len(set(label_names)) != len(label_names)
-                or len(label_names) < 2
-            ):
-                raise ConfigError(f"{cls}: label_names={label_names!r}; expected a list of 2 or more distinct strings")
-            label_names = list(label_names)
-        positive = {"max_length": max_length, "batch_size": batch_size}
-        optional = {
-            "eval_batch_size": eval_batch_size,
-            "max_train_samples": max_train_samples,
-            "max_val_samples": max_val_samples,
-            "pad_to_multiple_of": pad_to_multiple_of,
-        }
-        for setting, count in [*positive.items(), *((k, v) for k, v in optional.items() if v is not None)]:
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise ConfigError(f"{cls}: {setting}={count!r}; expected a positive integer")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(f"{cls}: num_workers={num_workers!r}; expected an integer >= 0")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"{cls}: seed={seed!r}; expected an integer")
-        self.train, self.validation = train, validation
-        self.tokenizer_name = tokenizer
-        self.tokenizer_revision = tokenizer_revision
+        self.check_column("text_column", text_column)
+        self.check_column("label_column", label_column)  # None would mean no classes: not for classification
+        self.check_column("text_pair_column", text_pair_column, optional=True)
+        self.check_count("max_length", max_length)
+        self.check_count("pad_to_multiple_of", pad_to_multiple_of, optional=True)
+        super().__init__(
+            train,
+            validation,
+            tokenizer=tokenizer,
+            tokenizer_revision=tokenizer_revision,
+            label_column=label_column,
+            label_names=label_names,
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            max_train_samples=max_train_samples,
+            max_val_samples=max_val_samples,
+            shuffle=shuffle,
+            seed=seed,
+            num_workers=num_workers,
+            cache_dir=cache_dir,
+        )
         self.text_column, self.text_pair_column = text_column, text_pair_column
-        self.label_column, self.label_names_setting = label_column, label_names
-        self.max_length, self.batch_size = max_length, batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.max_train_samples, self.max_val_samples = max_train_samples, max_val_samples
-        self.shuffle, self.seed = shuffle, seed
-        self.pad_to_multiple_of, self.num_workers = pad_to_multiple_of, num_workers
-        self.cache = DatasetCache(Path(cache_dir).expanduser() if cache_dir is not None else None)
-        self.cache_hit: bool | None = None
-        self.cache_path: Path | None = None
-        self.label_names: list[str] = []
-        self.train_dataset: datasets.Dataset | None = None
-        self.val_dataset: datasets.Dataset | None = None
-        self._tokenizer: PreTrainedTokenizerBase | None = None
-        self._key: str | None = None
-        self._settings: dict[str, Any] | None = None
-
-    # ------------------------------------------------------------------------------------------- steps
-
-    @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The tokenizer (loaded on first use)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.tokenizer_name, self.tokenizer_revision)
-        return self._tokenizer
-
-    def sources(self) -> dict[str, TextSource]:
-        """Return the raw tables by split (``"train"``, ``"validation"``). Override to produce them in code.
-
-        Raises:
-            ConfigError: no training table.
-        """
-        if self.train is None:
-            raise ConfigError(f"{type(self).__name__}: train=None; expected the training table (a path or a table)")
-        splits: dict[str, TextSource] = {"train": self.train}
-        if self.validation is not None:
-            splits["validation"] = self.validation
-        return splits
+        self.max_length, self.pad_to_multiple_of = max_length, pad_to_multiple_of
 
     def cache_settings(self) -> dict[str, Any]:
         """Return everything that determines the processed splits; its `cache_key` names the cache entry.
@@ -528,111 +399,26 @@ class TextClassificationData(DataModule):
         """
         return {
             "kind": "torchloom.data.text.TextClassificationData",
-            "data": {split: self._fingerprint(split, source) for split, source in self.sources().items()},
-            "suffixes": {
-                split: Path(source).suffix.lower() if isinstance(source, str | os.PathLike) else type(source).__name__
-                for split, source in self.sources().items()
-            },
+            **self.source_settings(),  # "data" and "suffixes"
             "tokenizer": tokenizer_fingerprint(self.tokenizer, self.tokenizer_revision),
             "text_column": self.text_column,
             "text_pair_column": self.text_pair_column,
             "label_column": self.label_column,
             "label_names": self.label_names_setting,
             "max_length": self.max_length,
-            "versions": {  # pandas and pyarrow parse the tables, so they decide the label column's type too
-                "datasets": datasets.__version__,
-                "pandas": pd.__version__,
-                "pyarrow": pyarrow.__version__,
-                "tokenizers": tokenizers.__version__,
-                "transformers": transformers.__version__,
-            },
+            "versions": self.versions(),
         }
 
-    def _fingerprint(self, split: str, source: TextSource) -> str:
-        if isinstance(source, str | os.PathLike) and not Path(source).expanduser().exists():
-            raise ConfigError(f"{type(self).__name__}: {split} data path '{Path(source).expanduser()}' does not exist")
-        return fingerprint(source)
-
-    def prepare_data(self) -> None:
-        """Tokenise the splits and save them to the cache, or find them already there."""
-        settings = self.cache_settings()
-        self._key = key = cache_key(**settings)
-        self._settings = settings
-        self.cache_path = self.cache.path(key)
-        if key in self.cache:
-            self.cache.check(key, settings)  # an entry under this key built from other settings is refused
-            self.cache_hit = True
-            logger.info("%s: loading the processed splits from %s", type(self).__name__, self.cache_path)
-            return
-        self.cache_hit = False
-        logger.info("%s: tokenising; the result goes to %s", type(self).__name__, self.cache_path)
-        self.cache.save(key, self._build(), settings=settings)
-
-    def _build(self) -> datasets.DatasetDict:
-        names = self.label_names_setting
-        processed = {}
-        for split, source in self.sources().items():  # "train" first: it fixes the label names
-            where = f"{type(self).__name__} {split} data"
-            table = encode_labels(read_table(source, where), self.label_column, names, where)
-            names = table.features["labels"].names
-            processed[split] = tokenize(
-                table, self.tokenizer, self.text_column, self.text_pair_column, self.max_length, name=where
-            )
-        return datasets.DatasetDict(processed)
-
-    def setup(self, stage: str) -> None:
-        """Load the processed splits from the cache and take the ``max_*_samples`` subsets."""
-        if self._key is None or self._key not in self.cache:
-            self.prepare_data()
-        assert self._key is not None
-        splits = self.cache.load(self._key, self._settings)
-        self.cache_path = self.cache.path(self._key)
-        self.label_names = list(splits["train"].features["labels"].names)
-        self.train_dataset = self._subset(splits["train"], self.max_train_samples)
-        self.val_dataset = self._subset(splits["validation"], self.max_val_samples) if "validation" in splits else None
-
-    def _subset(self, dataset: datasets.Dataset, n: int | None) -> datasets.Dataset:
-        if n is None or n >= len(dataset):
-            return dataset
-        return dataset.shuffle(seed=self.seed, keep_in_memory=True).select(range(n), keep_in_memory=True)
-
-    @property
-    def num_labels(self) -> int:
-        """The number of classes (after ``setup``)."""
-        return len(self.label_names)
+    def preprocess(self, split: str, table: datasets.Dataset) -> datasets.Dataset:
+        """Tokenise ``split`` (`tokenize`), keeping ``labels``."""
+        return tokenize(
+            table, self.tokenizer, self.text_column, self.text_pair_column, self.max_length, name=self.split_name(split)
+        )
 
     def collator(self) -> DataCollatorWithPadding:
         """The batch collator: pads ``input_ids`` etc. to the batch's longest row; tensors of dtype int64."""
         return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.pad_to_multiple_of, return_tensors="pt")
 
-    def train_dataloader(self) -> DataLoader:
-        """Batches of ``batch_size``: a dict of int64 tensors ``input_ids``, ``attention_mask`` (and
-        ``token_type_ids`` for BERT-like tokenizers) of shape ``(batch, longest)`` and ``labels`` of shape
-        ``(batch,)``."""
-        if self.train_dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.train_dataloader() called before setup()")
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            collate_fn=self.collator(),
-            num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
-
-    def predict_dataloader(self) -> DataLoader | None:
-        """The validation rows, in order (what ``torchloom predict`` predicts on; the labels stay in the batches so
-        that predictions can be compared with them); ``None`` without validation."""
-        return self.val_dataloader()
-
-    def val_dataloader(self) -> DataLoader | None:
-        """Batches of ``eval_batch_size`` in order, shaped as in `train_dataloader`; ``None`` without validation."""
-        if self.val_dataset is None:
-            return None
-        return DataLoader(
-            self.val_dataset,
-            batch_size=self.eval_batch_size,
-            shuffle=False,
-            collate_fn=self.collator(),
-            num_workers=self.num_workers,
-        )
+    def collate_fn(self, split: str) -> DataCollatorWithPadding:
+        """`collator`, for training and validation alike."""
+        return self.collator()

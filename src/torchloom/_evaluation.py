@@ -1,0 +1,69 @@
+"""The validation pass and the prediction pass: the model in eval mode, every sample once.
+
+With several processes Accelerate pads the last batch with copies of the first samples; both passes cut them off
+the outputs (`torchloom._padding`), and the validation pass also shows the task's own torchmetrics objects only the
+real rows, so that each sample counts once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchloom._guards import check_same_length, eval_mode
+from torchloom._padding import batch_size, real_rows, real_rows_in_metrics, take_rows
+
+__all__ = ["prediction_pass", "validation_pass"]
+
+
+def validation_pass(task: Any, run: Any, logs: Any, progress: Any) -> None:
+    """Run ``validation_step`` over the run's validation data with the validation hooks; what is logged goes to
+    ``logs.val`` (the caller reduces it). Every module gets its own train / eval mode back afterwards.
+
+    Raises:
+        TaskError: the processes have different numbers of validation batches.
+    """
+    relay, acc, model, loader = run.relay, run.accelerator, run.model, run.val_dataloader
+    check_same_length(run.agreement, loader, "validation")
+    batch_end = relay.implemented("on_validation_batch_end")
+    with eval_mode(model), logs.validating():
+        relay.call("on_validation_start", task=task, model=model, accelerator=acc, progress=progress)
+        with torch.no_grad():
+            for batch_idx, batch in enumerate(loader):
+                rows = real_rows(loader, acc)  # Accelerate's padding copies are cut off: each sample counts once
+                size = batch_size(batch) if rows is not None else None
+                if rows is None or size is None or rows == size:
+                    outputs = task.validation_step(batch, batch_idx)
+                else:  # the whole batch (gather_for_metrics works), but the task's metrics get the real rows
+                    with real_rows_in_metrics(task, rows, size, logs.val.fail):
+                        outputs = task.validation_step(batch, batch_idx)
+                if batch_end and rows != 0:
+                    if rows is not None and size is not None:
+                        outputs, batch = take_rows(outputs, rows, size), take_rows(batch, rows, size)
+                    relay.call(
+                        "on_validation_batch_end", outputs=outputs, batch=batch, accelerator=acc, progress=progress
+                    )
+        relay.call("on_validation_end", task=task, model=model, accelerator=acc, progress=progress, log=logs.log)
+
+
+def prediction_pass(task: Any, run: Any) -> list[Any]:
+    """Run ``predict_step`` over the run's prediction data with the prediction hooks (eval mode, no gradients);
+    return this process's outputs, one per batch, without Accelerate's padding copies (a process whose share of a
+    batch is only copies drops its output)."""
+    relay, acc, loader = run.relay, run.accelerator, run.predict_dataloader
+    predictions: list[Any] = []
+    with eval_mode(run.model), torch.no_grad():
+        relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
+        for batch_idx, batch in enumerate(loader):
+            outputs = task.predict_step(batch, batch_idx)
+            rows = real_rows(loader, acc)  # the outputs lose Accelerate's padding copies
+            if rows == 0:  # only copies on this process
+                continue
+            if rows is not None and (size := batch_size(batch)) is not None:
+                outputs, batch = take_rows(outputs, rows, size), take_rows(batch, rows, size)
+            if relay.implemented("on_predict_batch_end"):
+                relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
+            predictions.append(outputs)
+        relay.call("on_predict_end", predictions=predictions, accelerator=acc)
+    return predictions

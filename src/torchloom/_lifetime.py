@@ -1,0 +1,103 @@
+"""The lifetime of one ``fit`` / ``validate`` / ``predict`` call: ``setup``, the run directory, the run built (or the
+last fit's reused), ``on_run_start``; then ``teardown`` whatever happens.
+
+A failure during set-up (building the run, or loading the checkpoint a fit resumes from) removes the call's run
+directory, since nothing was trained or written there, and fires ``teardown`` alone before it propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from torchloom._accelerator import build_accelerator, note_run_failed
+from torchloom._default_step import DefaultTrainStep
+from torchloom._runfiles import MetricsFile, create_run_dir, discard_run_dir
+from torchloom._setup import Run, engine_relay, prepare_run, reuse_run
+
+__all__ = ["RunStarter"]
+
+T = TypeVar("T")
+
+
+class RunStarter:
+    """Starts and ends the calls of one `torchloom.Engine`, and keeps the last fit's run for ``validate`` /
+    ``predict`` to reuse.
+
+    Attributes:
+        run (`Run` or ``None``): the last call's run.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._metrics_file = MetricsFile()
+        self.run: Run | None = None
+
+    def start(self, task: Any, stage: str, datamodule: Any, **loaders: Any) -> Run:
+        """Fire ``setup``, create this call's run directory, and build the run, or reuse the last fit's model
+        (``validate`` / ``predict`` of the same task without a datamodule). A failure after ``setup`` removes the
+        run directory and fires ``teardown`` before it propagates."""
+        engine, run = self._engine, self.run
+        cfg = engine.config
+        if stage == "fit" or run is None or getattr(task, "model", None) is not run.model or datamodule is not None:
+            run, relay = None, engine_relay(engine.plugins, DefaultTrainStep(), self._metrics_file)
+            engine.logs.clear()  # nothing logged by an earlier (failed) run leaks into this one
+        else:
+            relay = run.relay
+        relay.call("setup", config=cfg, stage=stage)
+        accelerator, run_dir = (run.accelerator if run is not None else None), None
+        try:
+            accelerator = accelerator or build_accelerator(relay, cfg)
+            run_dir = create_run_dir(cfg.output_dir, accelerator)  # before any data or model is built
+            self._metrics_file.start(os.path.join(run_dir, "metrics.jsonl"))
+            project = accelerator.project_configuration  # Accelerate's trackers write inside the run directory
+            project.project_dir = project.logging_dir = run_dir
+            config = engine.run_config or {
+                "engine": dataclasses.asdict(cfg),
+                "plugins": engine.resolved_plugin_settings(),
+            }
+            if run is not None:
+                run = reuse_run(run, task, stage, loaders, run_dir, config)
+            else:
+                run = prepare_run(task, stage, cfg, relay, accelerator, datamodule, loaders, config, run_dir)
+                self.run = run
+            relay.call("on_run_start", accelerator=accelerator, stage=stage, run_dir=run_dir, run_config=config)
+            return run
+        except BaseException as exc:
+            note_run_failed()
+            if accelerator is not None:
+                discard_run_dir(run_dir, accelerator)
+            relay.call_cleanup("teardown", exc, accelerator=accelerator, stage=stage)  # teardown always runs
+            raise
+
+    def set_up(self, run: Run, stage: str, step: Callable[..., T], *args: Any) -> T:
+        """Run ``step(*args)`` as part of the set-up of ``run`` (a fit's resume): if it fails, the run directory is
+        removed and ``teardown`` fires (nothing was trained)."""
+        try:
+            return step(*args)
+        except BaseException as exc:
+            note_run_failed()
+            discard_run_dir(run.run_dir, run.accelerator)
+            self.end(run, stage, exc)
+            raise
+
+    @contextlib.contextmanager
+    def stage(self, run: Run, stage: str) -> Iterator[None]:
+        """Run a ``validate`` / ``predict`` body, then ``teardown`` whatever happens."""
+        error: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.end(run, stage, error)
+
+    def end(self, run: Run, stage: str, error: BaseException | None, failure: BaseException | None = None) -> None:
+        """Fire ``teardown``; raise a clean-up failure of a call that itself succeeded (``error`` is ``None``)."""
+        failure = run.relay.call_cleanup("teardown", failure or error, accelerator=run.accelerator, stage=stage)
+        if failure is not None and failure is not error:
+            raise failure

@@ -1,0 +1,366 @@
+"""`FitLoop`: the training loop of one fit, and the only writer of its `FitState`.
+
+Epochs, micro-batches through ``run_train_step``, optimizer-step boundaries (logging, validation, checkpoints, stop
+checks), the end of training, and the two ways the fit state crosses a checkpoint: `FitLoop.save_checkpoint` (what
+`torchloom.save_checkpoint` calls) and `FitLoop.resume`. The hooks get a frozen `torchloom.Progress`, built from
+the state once per micro-batch and once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+from accelerate.data_loader import get_sampler
+
+from torchloom._accelerator import note_run_failed
+from torchloom._context import RunContext, activate
+from torchloom._data_position import data_order, position, resume_point
+from torchloom._evaluation import validation_pass
+from torchloom._fit_state import FitState
+from torchloom._guards import NEGATIVE_ITEMS, check_same_length, check_step_outputs, check_training, stop_iteration
+from torchloom._layout import CHECKPOINTS_DIR
+from torchloom._logbuffer import WEIGHT_PREFIX
+from torchloom._runfiles import finish_fit
+from torchloom._setup import sanity_check
+from torchloom.checkpoint import load_checkpoint, set_random_states, write_checkpoint
+from torchloom.errors import ConfigError
+from torchloom.step import StepHooks
+
+__all__ = ["FitLoop", "Start", "data_generators"]
+
+
+class Start(NamedTuple):
+    """Where a fit starts: the epoch, the batches of it to skip, and for a resume the random states to restore once
+    the epoch's loader has started and the data generators' states as that epoch started."""
+
+    epoch: int = 0
+    skip: int = 0
+    random_states: dict[str, Any] | None = None
+    generators: dict[str, torch.Tensor] | None = None
+
+
+class FitLoop:
+    """Trains ``task`` on a prepared ``run`` (see `torchloom._setup.Run`) by the engine's ``config``.
+
+    Attributes:
+        state (`FitState`): the fit's counters and positions; only this object writes them.
+        context (`RunContext`): what the fit exposes ambiently (its ``saver`` is `save_checkpoint`).
+        hooks (`StepHooks`): what ``run_train_step`` implementations receive.
+    """
+
+    def __init__(self, config: Any, run: Any, task: Any, logs: Any, plugins: list[Any]) -> None:
+        self.config, self.run, self.task, self.logs, self.plugins = config, run, task, logs, plugins
+        self.state = FitState()
+        self.context = RunContext(logs, run.agreement, saver=self.save_checkpoint)
+        self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement)
+        # (epoch, batches done in it, epoch finished) while a checkpoint may be saved, else None
+        self._save_point: tuple[int, int, bool] | None = None
+        self._relay_has = {name: run.relay.implemented(name) for name in ("on_train_batch_start", "on_train_batch_end")}
+        #: A failure of ``on_fit_end`` itself, after a fit that succeeded (the engine raises it after ``teardown``).
+        self.cleanup_failure: BaseException | None = None
+
+    # ------------------------------------------------------------------------------------------ training
+
+    def fit(self, start: Start) -> None:
+        """The fit from ``start``: ``on_fit_start``, the sanity pass, the epochs, the end of training, the saved model
+        and ``latest`` link; ``on_exception`` if any of it raises; ``on_fit_end`` always (a failure of its own is
+        kept in `cleanup_failure` for the engine to raise after ``teardown``)."""
+        run, end = self.run, self._end_args()
+        error: BaseException | None = None
+        try:
+            with activate(self.context):
+                begin = {"optimizer": run.optimizer, "scheduler": run.scheduler, "log": self.logs.log}
+                run.relay.call("on_fit_start", **end, **begin, progress=self.state.progress())
+                sanity_check(self.task, run, self.config.num_sanity_val_steps, self.logs)
+                self.train(start)
+                self.end()
+                finish_fit(self.task, run, self.config, self.logs)  # the model (save_model: true), the latest link
+                run.accelerator.wait_for_everyone()  # no process reports success before every process has finished
+        except BaseException as exc:
+            error = exc
+            note_run_failed()
+            progress = self.state.progress()
+            run.relay.call_cleanup("on_exception", error, exception=exc, accelerator=run.accelerator, progress=progress)
+            raise
+        finally:
+            self.cleanup_failure = run.relay.call_cleanup("on_fit_end", error, **end, progress=self.state.progress())
+
+    def train(self, start: Start) -> None:
+        """The epochs from ``start``, until ``max_epochs``, ``max_steps`` or a stop agreed over the processes."""
+        skip, rng, generators = start.skip, start.random_states, start.generators
+        for epoch in range(start.epoch, self.config.max_epochs):
+            if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
+                break  # a resumed fit that had finished
+            if self._epoch(epoch, skip, rng, generators):
+                break
+            skip, rng, generators = 0, None, None
+
+    def end(self) -> None:
+        """The end of training: what is still logged, ``on_train_end``, its logs, and a final validation if the
+        last optimizer step was not validated (the returned metrics describe the saved model)."""
+        self.log_training()
+        self.run.relay.call("on_train_end", **self._end_args(), progress=self.state.progress(), log=self.logs.log)
+        self.log_training()
+        if self.state.validated_at != self.state.global_step:
+            self.validate()
+
+    def _end_args(self) -> dict[str, Any]:
+        return {"accelerator": self.run.accelerator, "task": self.task, "model": self.run.model}
+
+    def _epoch(self, epoch: int, skip: int, rng: Any, generators: dict[str, torch.Tensor] | None) -> bool:
+        """Train one epoch (validating at the configured interval); return whether to stop. ``skip``: batches of
+        the epoch a resumed checkpoint already trained on; ``rng``: the random states to restore once the epoch's
+        loader has started; ``generators``: the data generators' states as that epoch started (a resume)."""
+        run, state, relay = self.run, self.state, self.run.relay
+        loader = run.train_dataloader
+        check_same_length(run.agreement, loader, "training")
+        if hasattr(loader, "set_epoch"):  # the epoch's own shuffle (seed + epoch), also in a resumed fit
+            loader.set_epoch(epoch)
+        found = data_generators(loader)
+        for name, saved in (generators or {}).items():  # what the loader draws as it starts: as the saved run drew it
+            if name in found:
+                found[name].set_state(saved)
+        state.epoch_generators = {name: generator.get_state() for name, generator in found.items()}
+        if rng is not None and skip == 0:
+            set_random_states(rng)
+            rng = None
+        state.epoch, state.batch_idx = epoch, skip
+        relay.call("on_train_epoch_start", accelerator=run.accelerator, progress=state.progress())
+        done, batches = False, 0
+        for batch_idx, batch in enumerate(run.accelerator.skip_first_batches(loader, skip) if skip else loader, skip):
+            if rng is not None:  # as they were when the checkpoint was saved: starting the loader drew from them
+                set_random_states(rng)
+                rng = None
+            batches, state.batch_idx = batches + 1, batch_idx
+            if self._micro_batch(batch):
+                stop_iteration(loader)
+                done = True
+                break
+        if batches == 0 and skip == 0:
+            raise ConfigError(f"fit: the training dataloader yielded no batches in epoch {epoch}; nothing was trained")
+        if rng is not None:  # a checkpoint of the epoch's last step: nothing left to train in it
+            set_random_states(rng)
+        if self.config.val_check_interval is None:
+            self.validate()
+        self._save_point = (epoch, skip + batches, not done)
+        try:
+            relay.call("on_train_epoch_end", accelerator=run.accelerator, progress=state.progress(), log=self.logs.log)
+        finally:
+            self._save_point = None
+        return self._stop_agreed() or done
+
+    def _micro_batch(self, batch: Any) -> bool:
+        """One micro-batch and, when it ends an accumulation window, the optimizer-step boundary; return whether to
+        stop."""
+        run, state = self.run, self.state
+        progress = state.progress()
+        if self._relay_has["on_train_batch_start"]:
+            run.relay.call("on_train_batch_start", batch=batch, accelerator=run.accelerator, progress=progress)
+        outputs = self._train_step(batch, progress)
+        self._count(self.hooks.take_outcome())
+        if self._relay_has["on_train_batch_end"]:
+            run.relay.call(
+                "on_train_batch_end",
+                outputs=outputs,
+                batch=batch,
+                accelerator=run.accelerator,
+                progress=progress,
+                log=self.logs.log,
+            )
+        state.micro_step += 1
+        return run.accelerator.sync_gradients and self._step_boundary()  # not inside an accumulation window
+
+    def _train_step(self, batch: Any, progress: Any) -> dict[str, Any]:
+        """``run_train_step``; buffer its loss for logging (no host-device sync)."""
+        run = self.run
+        outputs = run.relay.call(
+            "run_train_step",
+            task=self.task,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            accelerator=run.accelerator,
+            batch=batch,
+            progress=progress,
+            hooks=self.hooks,
+        )
+        if not isinstance(outputs, dict) or "loss" not in outputs:
+            check_step_outputs(outputs, run.relay.wrappers("run_train_step"))  # raises
+        loss, items = outputs["loss"], outputs.get("num_items", 1.0)
+        if self.config.nonfinite_loss == "skip":  # the skipped micro-batches do not count in train/loss
+            finite = torch.isfinite(loss)
+            loss, items = torch.where(finite, loss, 0.0), finite.to(loss.dtype) * items
+        self.logs.train.log("train/loss", loss, items)  # kept on the device, folded at the logging interval
+        if isinstance(items, torch.Tensor):  # its sign is checked at the logging interval, on the device
+            self.logs.train.log(NEGATIVE_ITEMS, (items < 0).to(torch.float32))
+        return outputs
+
+    def _count(self, outcome: Any) -> None:
+        """Count what the micro-batch's optimizer step did (`StepHooks.take_outcome`)."""
+        state = self.state
+        state.scaler_skipped_steps += outcome.scaler_skips
+        if outcome.nonfinite_skips:
+            state.skipped_steps += outcome.nonfinite_skips
+            if self.run.accelerator.is_main_process:
+                warnings.warn(
+                    f"nonfinite_loss='skip': skipped optimizer step {state.global_step + 1} (epoch {state.epoch}): "
+                    f"the loss was not finite; {state.skipped_steps} step(s) skipped in this fit",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
+    def _step_boundary(self) -> bool:
+        """After an optimizer step: count it, log and validate at their intervals; return whether to stop."""
+        cfg, state, run = self.config, self.state, self.run
+        state.global_step += 1
+        logged = state.global_step % cfg.log_every_n_steps == 0
+        if logged:
+            self.log_training()
+        if cfg.val_check_interval and state.global_step % cfg.val_check_interval == 0:
+            self.validate()
+            logged = True
+        if run.relay.implemented("on_train_step_end"):
+            self._save_point = (state.epoch, state.batch_idx + 1, False)
+            try:
+                run.relay.call("on_train_step_end", accelerator=run.accelerator, progress=state.progress())
+            finally:
+                self._save_point = None
+        if logged and self._stop_agreed():
+            return True
+        return cfg.max_steps is not None and state.global_step >= cfg.max_steps
+
+    def _stop_agreed(self) -> bool:
+        """Whether any process asked to stop (`torchloom.request_stop`): the same answer on every process, which
+        all call this at the same points (`RankAgreement.first`)."""
+        reason = self.run.agreement.first(self.context.stop_reason)
+        self.state.stop_reason = reason
+        return reason is not None
+
+    def log_training(self) -> None:
+        """Reduce the training values (every process), send them to ``on_log``, and check them (`check_training`).
+
+        Also logged, once per reduction and only when something else was: ``train/skipped_steps`` (with
+        ``nonfinite_loss="skip"``) and ``train/scaler_skipped_steps`` (with a loss scaler), the fit's counts so
+        far, the same on every process (host numbers: no device sync)."""
+        state, logs, run = self.state, self.logs, self.run
+        if logs.train:
+            if self.config.nonfinite_loss == "skip":
+                logs.train.log("train/skipped_steps", float(state.skipped_steps), reduce="last")
+            if run.accelerator.scaler is not None:
+                logs.train.log("train/scaler_skipped_steps", float(state.scaler_skipped_steps), reduce="last")
+        metrics, internal = logs.report(logs.train, run, state.progress(), weights=("train/loss",))
+        steps = (state.checked_step + 1, state.global_step)
+        overflowed = state.scaler_skipped_steps > state.checked_scaler_skips
+        state.checked_step, state.checked_scaler_skips = state.global_step, state.scaler_skipped_steps
+        check_training(
+            metrics.get("train/loss"),
+            internal.get(NEGATIVE_ITEMS, 0.0),
+            internal.get(WEIGHT_PREFIX + "train/loss"),  # train/loss is weighted by num_items: the items trained on
+            steps,
+            state.epoch,
+            overflowed,
+            self.config.nonfinite_loss,
+        )
+
+    def validate(self) -> dict[str, float]:
+        """A validation pass at this point of the fit (none without validation data); return its values."""
+        if self.run.val_dataloader is None:
+            return {}
+        self.state.validated_at = self.state.global_step
+        progress = self.state.progress()
+        validation_pass(self.task, self.run, self.logs, progress)
+        return self.logs.report(self.logs.val, self.run, progress)[0]
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, directory: str | None) -> str:
+        """`torchloom.save_checkpoint` during this fit: the fit state next to the run's and the plugins' states.
+
+        Raises:
+            RuntimeError: called outside ``on_train_step_end`` / ``on_train_epoch_end``.
+        """
+        if self._save_point is None:
+            raise RuntimeError(
+                "save_checkpoint() must be called from on_train_step_end or on_train_epoch_end, where no "
+                "accumulation window is open and the data position is known"
+            )
+        run, state = self.run, self.state
+        epoch, batches_done, finished = self._save_point
+        if directory is None:
+            name = f"step-{state.global_step:08d}" + ("-epoch-end" if finished else "")
+            directory = os.path.join(run.run_dir, CHECKPOINTS_DIR, name)
+        order = data_order(run.train_dataloader, run.accelerator.num_processes)
+        # This process's data generators as the epoch to resume in starts: this one's, or (at its end) the next's.
+        generators = (
+            {name: g.get_state() for name, g in data_generators(run.train_dataloader).items()}
+            if finished
+            else dict(state.epoch_generators)
+        )
+        return write_checkpoint(
+            directory,
+            accelerator=run.accelerator,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            plugins=self.plugins,
+            engine_state={**state.state_dict(), "position": position(epoch, batches_done, finished, order)},
+            metrics=self.logs.latest,
+            agreement=run.agreement,
+            process_state={
+                **state.process_state_dict(),
+                "epoch_generators": generators,
+                "log_buffer": self.logs.train.state_dict(),
+            },
+        )
+
+    def resume(self, path: str, reset_optimizer: bool) -> Start:
+        """Load the checkpoint at ``path`` into the prepared run and this loop's state; return where to start.
+
+        Raises:
+            CheckpointError: the checkpoint cannot continue this run (see `torchloom.checkpoint.load_checkpoint`).
+        """
+        run = self.run
+        order = data_order(run.train_dataloader, run.accelerator.num_processes)
+        saved, _ = load_checkpoint(
+            path,
+            accelerator=run.accelerator,
+            model=run.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            plugins=self.plugins,
+            reset_optimizer=reset_optimizer,
+            data=order,
+        )
+        if reset_optimizer and run.accelerator.is_main_process:
+            warnings.warn(
+                f"resuming from {path!r} with reset_optimizer=True: the optimizer starts with fresh state",
+                UserWarning,
+                stacklevel=4,
+            )
+        self.state.load_state_dict(saved)
+        self.logs.train.load_state_dict(saved["log_buffer"], run.accelerator.device)
+        sampler, seed = get_sampler(run.train_dataloader), saved["position"]["order"]["sampler_seed"]
+        if seed is not None and hasattr(sampler, "initial_seed"):
+            sampler.initial_seed = seed  # every later epoch is drawn as the checkpoint's run drew it
+        epoch, skip = resume_point(saved["position"], order)
+        return Start(epoch, skip, saved["random_states"], saved["epoch_generators"])
+
+
+def data_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The generators the training loader draws from as an epoch starts, each once, by name: the shuffling
+    sampler's (Accelerate's ``synchronized_generator``: ``DataLoader(shuffle=True, generator=...)`` when ``seed`` is
+    ``None``), the DataLoader's own (its workers' base seed), and torch's global one (a sampler without a generator
+    seeds itself from it; so does the base seed then). A checkpoint keeps their states as its epoch started, so
+    that the resumed epoch draws its order again exactly before the random states are restored."""
+    found: dict[str, torch.Generator] = {}
+    for name, generator in (
+        ("sampler", getattr(loader, "synchronized_generator", None)),
+        ("dataloader", getattr(loader, "generator", None)),
+        ("torch", torch.default_generator),
+    ):
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found.values()):
+            found[name] = generator
+    return found
