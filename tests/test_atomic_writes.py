@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import torchloom
-from torchloom import _atomic
+from torchloom import _atomic, _liveness
 from torchloom.checkpoint import list_checkpoints
 from torchrun_util import MP_DIR, torchrun
 
@@ -369,11 +369,11 @@ def test_delete_directory_renames_out_of_sight_first(tmp_path):
 
 def test_pid_alive_answers_for_running_dead_and_foreign_processes():
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    assert _atomic.pid_alive(os.getpid()) is True
-    assert _atomic.pid_alive(int(dead.stdout)) is False
-    assert _atomic.pid_alive(10**12) is False  # not a pid at all (OverflowError)
+    assert _liveness.pid_alive(os.getpid()) is True
+    assert _liveness.pid_alive(int(dead.stdout)) is False
+    assert _liveness.pid_alive(10**12) is False  # not a pid at all (OverflowError)
     if os.geteuid() == 0:  # a process of another user: os.kill refuses (PermissionError), but it runs
-        code = "import os; from torchloom import _atomic; os.setuid(65534); print(_atomic.pid_alive(1))"
+        code = "import os; from torchloom import _liveness; os.setuid(65534); print(_liveness.pid_alive(1))"
         foreign = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert foreign.stdout.strip() == "True"
 

@@ -25,11 +25,12 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from torchloom._liveness import pid_alive
+
 __all__ = [
     "TEMPORARY",
     "atomic_directory",
     "delete_directory",
-    "pid_alive",
     "remove_orphans",
     "temporary_path",
     "write_atomically",
@@ -131,19 +132,6 @@ def remove_orphans(folder: str | os.PathLike[str]) -> list[str]:
                 entry.unlink()
         removed.append(entry.name)
     return removed
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this machine (signal 0: nothing is sent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it runs, as another user
-        return True
-    except OverflowError:  # not a pid at all
-        return False
-    return True
 
 
 def write_failure(exc: BaseException, path: str | os.PathLike[str]) -> str | None:

@@ -23,9 +23,10 @@ from torchloom._fit_state import FitState
 from torchloom._guards import NEGATIVE_ITEMS, check_same_length, check_step_outputs, check_training, stop_iteration
 from torchloom._layout import CHECKPOINTS_DIR
 from torchloom._logbuffer import WEIGHT_PREFIX
+from torchloom._random_states import set_random_states
 from torchloom._runfiles import finish_fit
 from torchloom._setup import sanity_check
-from torchloom.checkpoint import load_checkpoint, set_random_states, write_checkpoint
+from torchloom.checkpoint import load_checkpoint, write_checkpoint
 from torchloom.errors import ConfigError
 from torchloom.step import StepHooks
 
