@@ -147,7 +147,7 @@ def test_resampling_keeps_frequencies_and_removes_what_cannot_be_represented():
     for bad in (0, 3, 10_000_000, 8000.5, float("nan")):
         with pytest.raises(ConfigError, match=r"clip\.wav' has sample rate .* cannot be resampled to 16000 Hz"):
             resample(x, bad, 16000, name="audio file 'clip.wav'")
-    with pytest.raises(ConfigError, match="quality='best'; expected one of QQ, LQ, MQ, HQ, VHQ"):
+    with pytest.raises(ConfigError, match="setting 'quality' = 'best'; expected one of QQ, LQ, MQ, HQ, VHQ"):
         resample(x, 8000, 16000, quality="best")
 
 
@@ -438,7 +438,7 @@ def test_bad_settings_are_config_errors(tmp_path):
         ("audio_column", "", "expected a column name"),
         ("feature_args", [1], "expected a mapping"),
     ]:
-        with pytest.raises(ConfigError, match=rf"AudioClassificationData: {setting}=.*{expected}"):
+        with pytest.raises(ConfigError, match=rf"AudioClassificationData: setting '{setting}' = .*{expected}"):
             AudioClassificationData(tmp_path, **{setting: value})
     with pytest.raises(ConfigError, match=r"f_min=20.0, f_max=9000; expected 0 <= f_min < f_max <= 8000"):
         LogMelSpectrogram(f_max=9000)

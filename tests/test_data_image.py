@@ -211,7 +211,7 @@ def test_training_batches_are_augmented_validation_batches_are_not(folders, tmp_
     assert first["pixel_values"].shape == (12, 3, 6, 6)
     changed = sum(not any(torch.equal(p, s) for s in stored) for p in first["pixel_values"])
     assert changed >= 6
-    with pytest.raises(ConfigError, match="horizontal_flip=2; expected a probability"):
+    with pytest.raises(ConfigError, match="setting 'horizontal_flip' = 2; expected a probability"):
         ImageAugmentation(horizontal_flip=2)
 
 
@@ -409,15 +409,15 @@ def test_missing_columns_wrong_labels_and_empty_splits(tmp_path):
 
 def test_bad_settings_are_config_errors(tmp_path):
     cases = {
-        "mode='CMYK'; expected one of RGB, L": {"mode": "CMYK"},
-        r"size=\[0, 4\]; expected a positive integer or \[height, width\]": {"size": [0, 4]},
+        "setting 'mode' = 'CMYK'; expected one of RGB, L": {"mode": "CMYK"},
+        r"setting 'size' = \[0, 4\]; expected a positive integer or \[height, width\]": {"size": [0, 4]},
         "mean=.* has 2 values; mode has 3 channel": {"mean": [0.5, 0.5], "std": 0.5},
         "set both mean and std, or neither": {"mean": 0.5},
         "image_processor is set together with size/mean/std": {"image_processor": VIT, "size": 8},
-        "resample='fancy'; expected one of": {"resample": "fancy"},
-        "random_crop_padding|crop_padding=-1": {"random_crop_padding": -1},
-        "batch_size=0; expected a positive integer": {"batch_size": 0},
-        "label_names=.*expected a list of 2 or more distinct strings": {"label_names": ["a", "a"]},
+        "setting 'resample' = 'fancy'; expected one of": {"resample": "fancy"},
+        "setting 'crop_padding' = -1; expected an integer >= 0": {"random_crop_padding": -1},
+        "setting 'batch_size' = 0; expected a positive integer": {"batch_size": 0},
+        "setting 'label_names' = .*expected a list of 2 or more distinct strings": {"label_names": ["a", "a"]},
     }
     for pattern, settings in cases.items():
         with pytest.raises(ConfigError, match=f"ImageClassificationData: .*{pattern}"):

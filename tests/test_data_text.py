@@ -420,7 +420,7 @@ def test_bad_columns_and_settings_are_config_errors(files, tmp_path, tokenizer):
         ("num_workers", -1, "expected an integer >= 0"),
         ("tokenizer", None, "expected a model/tokenizer directory or a Hub id"),
     ]:
-        with pytest.raises(torchloom.ConfigError, match=rf"TextClassificationData: {setting}=.*{expected}"):
+        with pytest.raises(torchloom.ConfigError, match=rf"TextClassificationData: setting '{setting}' = .*{expected}"):
             make_data(files[0], **{setting: value})
     with pytest.raises(torchloom.ConfigError, match="train=None; expected the training table"):
         make_data(None).prepare_data()
@@ -472,7 +472,7 @@ def test_a_text_module_of_its_own_reuses_the_tables_and_the_tokenizer_of_text_da
     again = TokenCountData(*files, tokenizer=MODEL_DIR, cache_dir=tmp_path)
     again.prepare_data()
     assert again.cache_hit is True
-    with pytest.raises(torchloom.ConfigError, match=r"^TokenCountData: tokenizer=None; expected a model/tokenizer"):
+    with pytest.raises(torchloom.ConfigError, match=r"^TokenCountData: setting 'tokenizer' = None; expected a model/tokenizer"):
         TokenCountData(files[0])
     with pytest.raises(torchloom.ConfigError, match=r"TokenCountData: validation data path '.*nope.csv' does not"):
         TokenCountData(files[0], tmp_path / "nope.csv", tokenizer=MODEL_DIR).prepare_data()

@@ -48,6 +48,7 @@ import datasets
 import numpy as np
 import transformers
 
+from torchloom._settings import invalid
 from torchloom.data.audio_decoding import (
     RESAMPLE_QUALITIES,
     SAMPLE_RATE_RANGE,
@@ -66,7 +67,6 @@ from torchloom.data.audio_features import (
 from torchloom.data.audio_folders import METADATA_FILE as METADATA_FILE  # a constant audio.py had before the split
 from torchloom.data.audio_folders import AudioSource, audio_fingerprint, read_audio_folder
 from torchloom.data.base import CachedDataModule
-from torchloom.errors import ConfigError
 
 __all__ = [
     "AudioClassificationData",
@@ -170,15 +170,13 @@ class AudioClassificationData(CachedDataModule):
         if sample_rate is not None and (
             isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not low <= sample_rate <= high
         ):
-            raise ConfigError(f"{cls}: sample_rate={sample_rate!r}; expected an integer from {low} to {high} Hz")
+            raise invalid("sample_rate", sample_rate, f"an integer from {low} to {high} Hz", owner=cls)
         if isinstance(max_duration, bool) or not isinstance(max_duration, int | float) or not 0 < max_duration < 3600:
-            raise ConfigError(f"{cls}: max_duration={max_duration!r}; expected a number of seconds > 0 (and < 3600)")
+            raise invalid("max_duration", max_duration, "a number of seconds > 0 (and < 3600)", owner=cls)
         if resample_quality not in RESAMPLE_QUALITIES:
-            raise ConfigError(
-                f"{cls}: resample_quality={resample_quality!r}; expected one of {', '.join(RESAMPLE_QUALITIES)}"
-            )
+            raise invalid("resample_quality", resample_quality, f"one of {', '.join(RESAMPLE_QUALITIES)}", owner=cls)
         if feature_args is not None and not isinstance(feature_args, Mapping):
-            raise ConfigError(f"{cls}: feature_args={feature_args!r}; expected a mapping of argument names to values")
+            raise invalid("feature_args", feature_args, "a mapping of argument names to values", owner=cls)
         super().__init__(
             train,
             validation,

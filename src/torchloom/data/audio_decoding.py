@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from torchloom._settings import invalid
 from torchloom.errors import ConfigError
 
 __all__ = ["fix_length", "read_audio", "resample"]
@@ -174,7 +175,7 @@ def resample(
     target_rate = check_rate(target_rate, "the target", None)
     orig_rate = check_rate(orig_rate, name, target_rate)
     if quality not in RESAMPLE_QUALITIES:
-        raise ConfigError(f"resample: quality={quality!r}; expected one of {', '.join(RESAMPLE_QUALITIES)}")
+        raise invalid("quality", quality, f"one of {', '.join(RESAMPLE_QUALITIES)}", owner="resample")
     waveform = np.ascontiguousarray(waveform, dtype=np.float32)
     if orig_rate == target_rate:
         return waveform

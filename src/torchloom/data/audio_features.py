@@ -19,6 +19,7 @@ import datasets
 import numpy as np
 import transformers
 
+from torchloom._settings import invalid
 from torchloom.data.audio_decoding import check_rate, decode_clip, fix_length, resample, resolve_clip
 from torchloom.data.cache import cache_key
 from torchloom.data.tables import require_column
@@ -61,7 +62,7 @@ class LogMelSpectrogram:
         for field in ("n_mels", "n_fft", "hop_length"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"LogMelSpectrogram: {field}={value!r}; expected a positive integer")
+                raise invalid(field, value, "a positive integer", owner="LogMelSpectrogram")
         self.sampling_rate = check_rate(self.sampling_rate, "LogMelSpectrogram")
         nyquist = self.sampling_rate / 2
         f_max = nyquist if self.f_max is None else self.f_max
@@ -258,7 +259,7 @@ def extract_features(
     require_column(dataset, audio_column, "audio_column", name)
     rate = check_rate(extractor.sampling_rate, "the feature extractor")
     if isinstance(max_duration, bool) or not isinstance(max_duration, int | float) or not max_duration > 0:
-        raise ConfigError(f"{name}: max_duration={max_duration!r}; expected a positive number of seconds")
+        raise invalid("max_duration", max_duration, "a positive number of seconds", owner=name)
     num_samples = max(1, round(max_duration * rate))
     base = Path(base_dir).expanduser() if base_dir is not None else None
 

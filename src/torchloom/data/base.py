@@ -70,6 +70,7 @@ import datasets
 import torch
 from torch.utils.data import DataLoader
 
+from torchloom._settings import invalid
 from torchloom.data.cache import DatasetCache, cache_key
 from torchloom.data.module import DataModule
 from torchloom.data.tables import encode_labels, resolve_label_names
@@ -153,7 +154,7 @@ class CachedDataModule(DataModule, abc.ABC):
                 or len(label_names) < 2
             ):
                 expected = "a list of 2 or more distinct strings" if label_column is not None else "None (no classes)"
-                raise ConfigError(f"{type(self).__name__}: label_names={label_names!r}; expected {expected}")
+                raise invalid("label_names", label_names, f"{expected}", owner=type(self).__name__)
             label_names = list(label_names)
         self.check_count("batch_size", batch_size)
         for setting, count in (
@@ -163,9 +164,9 @@ class CachedDataModule(DataModule, abc.ABC):
         ):
             self.check_count(setting, count, optional=True)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigError(f"{type(self).__name__}: num_workers={num_workers!r}; expected an integer >= 0")
+            raise invalid("num_workers", num_workers, "an integer >= 0", owner=type(self).__name__)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"{type(self).__name__}: seed={seed!r}; expected an integer")
+            raise invalid("seed", seed, "an integer", owner=type(self).__name__)
         self.train, self.validation = train, validation
         self.label_column, self.label_names_setting = label_column, label_names
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
@@ -342,11 +343,11 @@ class CachedDataModule(DataModule, abc.ABC):
             return
         if not isinstance(value, str) or not value:
             expected = "a column name or None" if optional else "a column name"
-            raise ConfigError(f"{type(self).__name__}: {setting}={value!r}; expected {expected}")
+            raise invalid(setting, value, expected, owner=type(self).__name__)
 
     def check_count(self, setting: str, value: Any, optional: bool = False) -> None:
         """Refuse a count setting that is not a positive integer (or ``None``, when ``optional``)."""
         if optional and value is None:
             return
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{type(self).__name__}: {setting}={value!r}; expected a positive integer")
+            raise invalid(setting, value, "a positive integer", owner=type(self).__name__)

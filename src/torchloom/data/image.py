@@ -44,6 +44,7 @@ import datasets
 import numpy as np
 import transformers
 
+from torchloom._settings import invalid
 from torchloom.data.base import CachedDataModule
 from torchloom.data.cache import fingerprint
 from torchloom.data.image_decoding import MODES as MODES  # constants image.py had before the split
@@ -192,7 +193,7 @@ class ImageClassificationData(CachedDataModule):
             cache_dir=cache_dir,
         )
         if not isinstance(allow_empty_classes, bool):
-            raise ConfigError(f"{cls}: allow_empty_classes={allow_empty_classes!r}; expected True or False")
+            raise invalid("allow_empty_classes", allow_empty_classes, "True or False", owner=cls)
         try:
             # Validated now (a bad size fails at construction); the processor itself is loaded on first use.
             self._plain = ImageTransform(mode, size, mean, std, resample)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from torchloom._settings import invalid
 from torchloom.errors import ConfigError
 
 try:
@@ -66,7 +67,7 @@ def load_image(source: Any, mode: str = "RGB", name: str = "") -> PIL.Image.Imag
             or corrupt, or is in a mode that cannot be converted to ``mode`` (each names the file or row).
     """
     if mode not in MODES:
-        raise ConfigError(f"{name or 'load_image'}: mode={mode!r}; expected one of {', '.join(MODES)}")
+        raise invalid("mode", mode, f"one of {', '.join(MODES)}", owner=name or "load_image")
     if isinstance(source, Mapping):
         raw, path = source.get("bytes"), source.get("path")
         if raw is None and not path:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+from torchloom._settings import invalid
 from torchloom.data.image_decoding import MODES, load_image
 from torchloom.data.tables import require_column
 from torchloom.errors import ConfigError
@@ -132,7 +133,7 @@ class ImageTransform:
         processor: Any = None,
     ) -> None:
         if mode not in MODES:
-            raise ConfigError(f"ImageTransform: mode={mode!r}; expected one of {', '.join(MODES)}")
+            raise invalid("mode", mode, f"one of {', '.join(MODES)}", owner="ImageTransform")
         self.mode, self.channels, self.processor = mode, MODES[mode], processor
         if processor is not None:
             given = [k for k, v in (("size", size), ("mean", mean), ("std", std)) if v is not None]
@@ -149,7 +150,7 @@ class ImageTransform:
         if self.std is not None and any(s <= 0 for s in self.std):
             raise ConfigError(f"ImageTransform: std={list(self.std)}; expected positive values")
         if resample not in RESAMPLE:
-            raise ConfigError(f"ImageTransform: resample={resample!r}; expected one of {', '.join(RESAMPLE)}")
+            raise invalid("resample", resample, f"one of {', '.join(RESAMPLE)}", owner="ImageTransform")
         self.resample = resample
 
     def settings(self) -> dict[str, Any]:
@@ -204,7 +205,7 @@ def _size(size: Any) -> tuple[int, int] | None:
         or len(values) != 2
         or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values)
     ):
-        raise ConfigError(f"ImageTransform: size={size!r}; expected a positive integer or [height, width]")
+        raise invalid("size", size, "a positive integer or [height, width]", owner="ImageTransform")
     return values[0], values[1]
 
 
@@ -213,7 +214,7 @@ def _per_channel(setting: str, value: Any, channels: int) -> list[float] | None:
         return None
     values = [value] if isinstance(value, int | float) else list(value) if isinstance(value, Sequence) else None
     if values is None or not values or any(isinstance(v, bool) or not isinstance(v, int | float) for v in values):
-        raise ConfigError(f"ImageTransform: {setting}={value!r}; expected a number or one number per channel")
+        raise invalid(setting, value, "a number or one number per channel", owner="ImageTransform")
     if len(values) == 1:
         values = values * channels
     if len(values) != channels:
@@ -381,15 +382,13 @@ class ImageAugmentation:
 
     def __init__(self, crop_padding: int = 0, horizontal_flip: float = 0.0, generator: torch.Generator | None = None):
         if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0:
-            raise ConfigError(f"ImageAugmentation: crop_padding={crop_padding!r}; expected an integer >= 0")
+            raise invalid("crop_padding", crop_padding, "an integer >= 0", owner="ImageAugmentation")
         if (
             isinstance(horizontal_flip, bool)
             or not isinstance(horizontal_flip, int | float)
             or not 0 <= horizontal_flip <= 1
         ):
-            raise ConfigError(
-                f"ImageAugmentation: horizontal_flip={horizontal_flip!r}; expected a probability in [0, 1]"
-            )
+            raise invalid("horizontal_flip", horizontal_flip, "a probability in [0, 1]", owner="ImageAugmentation")
         self.crop_padding, self.horizontal_flip, self.generator = crop_padding, float(horizontal_flip), generator
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import tokenizers
 import transformers
 from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
 
+from torchloom._settings import invalid
 from torchloom.data.base import CachedDataModule
 from torchloom.data.cache import cache_key, fingerprint
 from torchloom.data.tables import TABLE_READERS as TABLE_READERS  # the names text.py had before tables.py
@@ -238,9 +239,7 @@ class TextData(CachedDataModule):
         **settings: Any,
     ) -> None:
         if tokenizer is None or not isinstance(tokenizer, str | os.PathLike) or not os.fspath(tokenizer):
-            raise ConfigError(
-                f"{type(self).__name__}: tokenizer={tokenizer!r}; expected a model/tokenizer directory or a Hub id"
-            )
+            raise invalid("tokenizer", tokenizer, "a model/tokenizer directory or a Hub id", owner=type(self).__name__)
         super().__init__(train, validation, **settings)
         self.tokenizer_name, self.tokenizer_revision = tokenizer, tokenizer_revision
         self._tokenizer: PreTrainedTokenizerBase | None = None
