@@ -159,7 +159,8 @@ def test_a_module_without_classes_passes_label_column_none(tmp_path):
     data = prepared(table().drop(columns="label"), label_column=None, cache_dir=tmp_path)
     assert data.label_names == [] and data.num_labels == 0 and data.class_names() == []
     assert data.train_dataset.column_names == ["y"]
-    with pytest.raises(ConfigError, match=r"PowersData: setting 'label_names' = \['a', 'b'\]; expected None \(no classes\)"):
+    no_classes = r"PowersData: setting 'label_names' = \['a', 'b'\]; expected None \(no classes\)"
+    with pytest.raises(ConfigError, match=no_classes):
         PowersData(table(), label_column=None, label_names=["a", "b"])
 
 
@@ -190,8 +191,8 @@ def test_dataloaders_batch_shuffle_and_serve_the_format(tmp_path):
         ({"num_workers": -1}, "setting 'num_workers' = -1; expected an integer >= 0"),
         ({"seed": "0"}, "setting 'seed' = '0'; expected an integer"),
         ({"label_column": ""}, "setting 'label_column' = ''; expected a column name"),
-        ({"label_names": ["a", "a"]}, r"setting 'label_names' = \['a', 'a'\]; expected a list of 2 or more distinct strings"),
-        ({"power": 0}, "setting 'power' = 0; expected a positive integer"),  # a subclass's own setting, checked the same way
+        ({"label_names": ["a", "a"]}, r"setting 'label_names' = \['a', 'a'\]; expected a list of 2 or more distinct"),
+        ({"power": 0}, "setting 'power' = 0; expected a positive integer"),  # a subclass's own, checked alike
     ],
 )
 def test_bad_settings_name_the_class_the_setting_and_what_is_valid(settings, message):

@@ -472,7 +472,8 @@ def test_a_text_module_of_its_own_reuses_the_tables_and_the_tokenizer_of_text_da
     again = TokenCountData(*files, tokenizer=MODEL_DIR, cache_dir=tmp_path)
     again.prepare_data()
     assert again.cache_hit is True
-    with pytest.raises(torchloom.ConfigError, match=r"^TokenCountData: setting 'tokenizer' = None; expected a model/tokenizer"):
+    no_tokenizer = r"^TokenCountData: setting 'tokenizer' = None; expected a model/tokenizer"
+    with pytest.raises(torchloom.ConfigError, match=no_tokenizer):
         TokenCountData(files[0])
     with pytest.raises(torchloom.ConfigError, match=r"TokenCountData: validation data path '.*nope.csv' does not"):
         TokenCountData(files[0], tmp_path / "nope.csv", tokenizer=MODEL_DIR).prepare_data()

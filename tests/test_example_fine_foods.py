@@ -209,7 +209,8 @@ def test_bad_settings_are_config_errors(fine_foods, tmp_path):
         fine_foods.FineFoodsClassifier(lr=-1)
     with pytest.raises(torchloom.ConfigError, match=f"model_path '{tmp_path}' is not a model directory"):
         fine_foods.FineFoodsClassifier(model_path=str(tmp_path))
-    with pytest.raises(torchloom.ConfigError, match="FineFoodsData: setting 'max_length' = 0; expected a positive integer"):
+    bad_length = "FineFoodsData: setting 'max_length' = 0; expected a positive integer"
+    with pytest.raises(torchloom.ConfigError, match=bad_length):
         fine_foods.FineFoodsData(max_length=0)
     with pytest.raises(torchloom.ConfigError, match=r"deb_path '/nonexistent\.deb' does not exist"):
         fine_foods.fetch_fine_foods(tmp_path, deb_path="/nonexistent.deb")
