@@ -8,7 +8,7 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["CHECKPOINTS_DIR", "LATEST", "RUN_DIR", "RUN_FILES", "is_run_dir", "run_directories"]
+__all__ = ["CHECKPOINTS_DIR", "LATEST", "MODEL_CARD", "RUN_DIR", "RUN_FILES", "is_run_dir", "run_directories"]
 
 #: A run directory's name: ``group(1)`` is its number.
 RUN_DIR = re.compile(r"version_(\d+)")
@@ -18,6 +18,8 @@ LATEST = "latest"
 CHECKPOINTS_DIR = "checkpoints"
 #: What a run directory holds from the moment its run started (at least one of them).
 RUN_FILES = ("config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)
+#: The model card's file name, in the exported model's directory (a run's ``model/``).
+MODEL_CARD = "torchloom_model.json"
 
 
 def run_directories(output_dir: str | os.PathLike[str]) -> list[Path]:
