@@ -39,6 +39,7 @@ _EXPORTS = {
     "enable_plugins": "torchloom.plugins",
     "estimate_memory": "torchloom._memory_plan",
     "estimate_optimizer_memory": "torchloom.memory",
+    "format_bytes": "torchloom._bytes",
     "hookimpl": "torchloom.hookspecs",
     "hookspec": "torchloom.hookspecs",
     "inspect_path": "torchloom._inspect",
@@ -74,6 +75,7 @@ __all__ = [
     "enable_plugins",
     "estimate_memory",
     "estimate_optimizer_memory",
+    "format_bytes",
     "hookimpl",
     "hookspec",
     "inspect_path",
@@ -101,6 +103,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from torchloom._atomic import write_atomically
+    from torchloom._bytes import format_bytes
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
     from torchloom._logging import request_stop

@@ -70,20 +70,18 @@ def _inspection_lines(info: Mapping[str, Any]) -> list[tuple[str, str]]:
     if info["kind"] == "run":
         rows.append(("model dir", info["model_dir"] or "(none: the fit saved no model)"))
     if info["size_bytes"] is not None:
-        rows.append(("files", f"{_bytes(info['size_bytes'])} in all (optimizer state included)"))
+        rows.append(("files", f"{_byte_count(info['size_bytes'])} in all (optimizer state included)"))
     return rows
 
 
 def _amounts(row: Mapping[str, int]) -> str:
-    return f"{row['tensors']:,} tensors, {row['elements']:,} elements, {_bytes(row['bytes'])}"
+    return f"{row['tensors']:,} tensors, {row['elements']:,} elements, {_byte_count(row['bytes'])}"
 
 
-def _bytes(size: int) -> str:
-    """``1,234,567 bytes (1.23 MB)``; under 1 kB just ``20 bytes``."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if size >= scale:
-            return f"{size:,} bytes ({size / scale:.3g} {unit})"
-    return f"{size:,} bytes"
+def _byte_count(size: int) -> str:
+    """``1,234,567 bytes (1.18 MiB)``: the exact count, then `torchloom.format_bytes`; under 1 KiB ``20 bytes``."""
+    human = torchloom.format_bytes(size)
+    return f"{size:,} bytes" if human.endswith(" B") else f"{size:,} bytes ({human})"
 
 
 def _number(value: Any) -> str:
