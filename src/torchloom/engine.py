@@ -20,6 +20,7 @@ from accelerate.utils import gather_object
 
 from torchloom._accelerator import build_accelerator, note_run_failed
 from torchloom._data_position import data_order, position, resume_point
+from torchloom._default_plugins import with_default_plugins
 from torchloom._default_step import DefaultTrainStep
 from torchloom._guards import (
     NEGATIVE_ITEMS,
@@ -67,7 +68,11 @@ class Engine:
     Args:
         config (`EngineConfig`, *optional*): the loop settings; or pass them as keyword arguments.
         plugins (*optional*): the plugins to enable, in order: ``{"name": {settings}, ...}``, or a list of
-            names, plugin objects and ``{"name": {settings}}`` entries. Only these are imported.
+            names, plugin objects and ``{"name": {settings}}`` entries. Only these are imported, and the default
+            plugins (``progress``) that the list does not name: name one with its settings to change or switch it
+            off (``{"progress": {"enabled": False}}``).
+        default_plugins (`bool`, defaults to True): also enable the default plugins (as the ``torchloom``
+            command does); False enables exactly ``plugins``.
         **settings: `EngineConfig` fields (``max_epochs=3, output_dir="runs/x"``).
 
     Raises:
@@ -91,11 +96,18 @@ class Engine:
             plugin or the task asked it to (`torchloom.request_stop`); ``None`` otherwise.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        plugins: PluginSpec = None,
+        default_plugins: bool = True,
+        **settings: Any,
+    ) -> None:
         if config is not None and settings:
             raise ConfigError("Engine: pass either config=EngineConfig(...) or keyword settings, not both")
         self.config = config if config is not None else EngineConfig.from_settings(settings)
-        self.plugins = enable_plugins(plugins)
+        self.plugins = enable_plugins(with_default_plugins(plugins) if default_plugins else plugins)
         #: The resolved run configuration written to ``config.yaml`` (the CLI sets the full one).
         self.run_config: dict[str, Any] | None = None
         self.progress = Progress()

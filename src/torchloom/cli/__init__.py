@@ -28,9 +28,9 @@ installed packages, so tasks defined next to it import by module name but a file
 
 Errors caused by bad input print one line and exit with status 2; no traceback. A fit stopped by SIGTERM or
 Ctrl-C after the ``checkpoint`` plugin saved exits with 128 + the signal number (143, 130). ``fit``, ``validate`` and
-``predict`` also enable the `torchloom.cli._run.DEFAULT_PLUGINS` (the ``progress`` display and summary) unless the
-config names them; ``--print_config`` and ``plugins --config`` show the config as given, ``config.yaml`` what the run
-enabled.
+``predict`` also enable the default plugins (the ``progress`` display and summary), as `torchloom.Engine` does,
+unless the config names them; ``--print_config`` and ``plugins --config`` show the config as given, ``config.yaml``
+what the run enabled.
 
 The command is a client of torchloom's public API (the names in ``torchloom.__all__``), as a plugin is: it
 builds and composes plugins through `torchloom.Engine` (``Engine.hook_order`` for the call order) and lists

@@ -142,6 +142,7 @@ def checked_engine(run: Any) -> Any:
     """The `torchloom.Engine` of a parsed run config: checks the engine settings, imports and configures the
     enabled plugins and composes them (``hook_order``); builds and runs nothing."""
     engine_settings = run.engine.as_dict() if run.engine is not None else {}
-    engine = torchloom.Engine(EngineConfig(**engine_settings), plugins=run.plugins)
+    # The config as given: `--print_config` and `plugins --config` show it without the default plugins.
+    engine = torchloom.Engine(EngineConfig(**engine_settings), plugins=run.plugins, default_plugins=False)
     engine.hook_order()
     return engine

@@ -13,10 +13,6 @@ from torchloom import ConfigError, EngineConfig, TorchloomError
 
 __all__ = ["add_run_arguments", "prepare", "report"]
 
-#: Plugins every run command enables, after the config's own, unless the config names them (a config that names one
-#: uses its settings, e.g. ``progress: {enabled: false}``) or ``TORCHLOOM_PLUGINS`` does not allow them.
-DEFAULT_PLUGINS = ("progress",)
-
 
 def add_run_arguments(sub: Any) -> None:
     """The options every run command takes: ``--config``, and the ``engine``, ``task``, ``data`` and ``plugins``
@@ -62,8 +58,8 @@ def prepare(parser: Any, cfg: Any, command: str) -> tuple[Any, Any, Any]:
         if cause is None:
             raise
         raise cause from None
-    plugins = _with_default_plugins(cfg[command].plugins)  # as merged by load_run_config, + the defaults
-    engine = torchloom.Engine(objects.engine, plugins=plugins)
+    # The plugins as merged by load_run_config; the Engine adds the default plugins that they do not name.
+    engine = torchloom.Engine(objects.engine, plugins=cfg[command].plugins)
     resolved["plugins"] = engine.resolved_plugin_settings()  # with every default filled in
     engine.run_config = resolved
     engine.plugins.append(_RunDirectoryAnnouncer(engine, command))  # the CLI's own: not in config.yaml
@@ -84,17 +80,6 @@ def report(
         for name, value in sorted(metrics.items()):
             print(f"  {name} = {value:.6g}")
     return 0
-
-
-def _with_default_plugins(section: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The run's plugins: the config's, in its order, then each of `DEFAULT_PLUGINS` that the config does not name
-    and that is installed and allowed (``TORCHLOOM_PLUGINS``), with its default settings."""
-    plugins = dict(section or {})
-    installed = torchloom.installed_plugins()
-    for name in DEFAULT_PLUGINS:
-        if name not in plugins and name in installed:
-            plugins[name] = None
-    return plugins
 
 
 class _RunDirectoryAnnouncer:
