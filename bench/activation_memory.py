@@ -202,7 +202,11 @@ def compare(
         for label, plugins in (("plain", []), ("checkpointed", [{"grad_checkpoint": {"modules": modules}}])):
             probe = MemoryProbe()
             engine = torchloom.Engine(
-                plugins=[*plugins, probe], max_steps=1, log_every_n_steps=1, output_dir=output_dir or tmp
+                plugins=[*plugins, probe],
+                default_plugins=False,
+                max_steps=1,
+                log_every_n_steps=1,
+                output_dir=output_dir or tmp,
             )
             engine.fit(BenchTask(kind, batch, width, blocks))
             rows.append({"kind": kind, "run": label, **probe.records[0]})

@@ -79,6 +79,7 @@ def _worker(args: argparse.Namespace) -> None:
                 log_every_n_steps=args.steps,
                 num_sanity_val_steps=0,
                 plugins={"local_sgd": settings} if settings else None,
+                default_plugins=False,
             )
             task = Regression()
             engine.fit(task)

@@ -16,7 +16,7 @@ Variants (``--variants`` picks a subset by key; the default set depends on the w
 
 ==========================  ===========================================================================
 hand                        the Accelerate loop, fp32 AdamW (`workloads.hand_loop`)
-torchloom                   ``Engine`` with no plugins
+torchloom                   ``Engine`` with no plugins, not even the default (``default_plugins=False``)
 torchloom-noop              every built-in plugin with settings that make it a no-op (`NOOP_SETTINGS`)
 fabric, trainer             Lightning Fabric loop; lean Lightning Trainer
 hand-realistic              the Accelerate loop with grad_accum 2 + bf16 + grad_clip 1.0 + adamw8bit

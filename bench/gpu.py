@@ -242,7 +242,12 @@ def torchloom_run(config: Config, size: Size, clock: workloads.Clock, steps: int
     plugins["optimizer"] = {"name": config.optimizer, "lr": LR}
     with tempfile.TemporaryDirectory() as out, contextlib.suppress(workloads.Done):
         engine = torchloom.Engine(
-            plugins=plugins, max_epochs=1, log_every_n_steps=50, num_sanity_val_steps=0, output_dir=out
+            plugins=plugins,
+            default_plugins=False,
+            max_epochs=1,
+            log_every_n_steps=50,
+            num_sanity_val_steps=0,
+            output_dir=out,
         )
         engine.fit(GPTTask(size, clock, steps))
 

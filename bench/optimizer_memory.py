@@ -96,6 +96,7 @@ def measure() -> dict[str, Any]:
                 warnings.simplefilter("ignore")
                 engine = torchloom.Engine(
                     plugins=[{"optimizer": {"name": name}}, probe],
+                    default_plugins=False,
                     max_steps=1,
                     log_every_n_steps=1,
                     num_sanity_val_steps=0,

@@ -311,7 +311,8 @@ def torchloom_run(
     """``Engine(plugins=...).fit`` of the workload; the run ends at the clock's end (`Done`)."""
     with tempfile.TemporaryDirectory() as out:
         settings = {"max_epochs": 1, "log_every_n_steps": 50, "output_dir": out, "num_sanity_val_steps": 0, **engine}
-        e = torchloom.Engine(plugins=plugins or None, **settings)
+        # default_plugins=False: the run does what the hand loop does, no progress display
+        e = torchloom.Engine(plugins=plugins or None, default_plugins=False, **settings)
         with contextlib.suppress(Done):
             e.fit(BenchTask(workload, clock, workload.loader(micro_steps)))
     return e

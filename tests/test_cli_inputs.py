@@ -17,6 +17,8 @@ import yaml
 import torchloom
 import torchloom_plugins
 from torchloom import cli
+from torchloom.cli import _environment
+from torchloom.cli import plugins as plugins_command
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The torchloom under test (the source tree, or whatever the test process imports), ahead of an installed copy.
@@ -493,8 +495,8 @@ def test_summary_drops_rst_markup() -> None:
 
     Details that are not the summary.
     """
-    assert cli._summary(doc) == "Wraps Adam and torch.compile; see the paper and fit."
-    assert cli._summary(None) == ""
+    assert plugins_command._summary(doc) == "Wraps Adam and torch.compile; see the paper and fit."
+    assert plugins_command._summary(None) == ""
 
 
 # ------------------------------------------------------------------------------------- other processes
@@ -527,12 +529,12 @@ def test_processes_other_than_the_main_one_are_quiet(tmp_path: Path, rank: str, 
 
 
 def test_which_processes_are_quiet() -> None:
-    assert cli._is_other_process({"RANK": "1", "WORLD_SIZE": "2"})
-    assert cli._is_other_process({"RANK": "3", "WORLD_SIZE": "4"})
-    assert not cli._is_other_process({"RANK": "0", "WORLD_SIZE": "2"})
-    assert not cli._is_other_process({})
-    assert not cli._is_other_process({"RANK": "1"})
-    assert not cli._is_other_process({"RANK": "x", "WORLD_SIZE": "2"})
+    assert _environment.is_other_process({"RANK": "1", "WORLD_SIZE": "2"})
+    assert _environment.is_other_process({"RANK": "3", "WORLD_SIZE": "4"})
+    assert not _environment.is_other_process({"RANK": "0", "WORLD_SIZE": "2"})
+    assert not _environment.is_other_process({})
+    assert not _environment.is_other_process({"RANK": "1"})
+    assert not _environment.is_other_process({"RANK": "x", "WORLD_SIZE": "2"})
 
 
 # ----------------------------------------------------------------------------------------------- safety

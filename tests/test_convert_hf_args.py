@@ -23,7 +23,7 @@ from transformers import Trainer, TrainingArguments, get_scheduler
 
 import torchloom
 import torchloom_plugins
-from torchloom import _hf_args, cli
+from torchloom import _hf_args, _hf_args_tables, cli
 from torchloom.data import AudioClassificationData, ImageClassificationData, TextClassificationData
 from torchloom.testing import TinyTask
 from torchloom_plugins.optimizer import OptimizerSwap, create_optimizer, create_scheduler
@@ -562,9 +562,9 @@ def test_the_names_the_converter_targets_are_the_plugins_own():
     from torchloom_plugins.compile import _MODES
     from torchloom_plugins.trackers import TRACKERS
 
-    assert set(_hf_args.TRACKERS) == set(TRACKERS)
-    assert set(_hf_args.COMPILE_MODES) == set(_MODES)
-    assert set(_hf_args.PLUGIN_OPTIMIZERS) == set(OptimizerSwap.optimizer_names)
-    assert {name for name, _ in _hf_args.OPTIMIZERS.values()} <= set(OptimizerSwap.optimizer_names)
+    assert set(_hf_args_tables.TRACKERS) == set(TRACKERS)
+    assert set(_hf_args_tables.COMPILE_MODES) == set(_MODES)
+    assert set(_hf_args_tables.PLUGIN_OPTIMIZERS) == set(OptimizerSwap.optimizer_names)
+    assert {name for name, _ in _hf_args_tables.OPTIMIZERS.values()} <= set(OptimizerSwap.optimizer_names)
     for data_module in (TextClassificationData, ImageClassificationData, AudioClassificationData):
         assert {"batch_size", "eval_batch_size", "num_workers"} <= set(inspect.signature(data_module).parameters)

@@ -237,11 +237,41 @@ def _python_blocks(page: Path) -> list[tuple[int, str]]:
 
 
 def _same_output(printed: str, documented: str) -> bool:
-    """Equal text, and numbers equal to 4 significant digits (float rounding differs across CPU kernels)."""
+    """Equal text, and numbers equal to 4 significant digits (float rounding differs across CPU kernels). A
+    ``...`` line of the documented text stands for any number of printed lines (in a Python example, what the
+    default ``progress`` display prints before the example's own output: lines with timings)."""
+    if any(line.strip() == "..." for line in documented.splitlines()):
+        return _same_parts(printed.strip("\n").splitlines(), documented.strip("\n").splitlines())
     if NUMBER.sub("#", printed).strip() != NUMBER.sub("#", documented).strip():
         return False
     pairs = zip(NUMBER.findall(printed), NUMBER.findall(documented), strict=True)
     return all(float(a) == pytest.approx(float(b), rel=1e-4, abs=1e-12) for a, b in pairs)
+
+
+def _same_parts(printed: list[str], documented: list[str]) -> bool:
+    """`_same_output` line by line, where each ``...`` line of ``documented`` stands for any number of lines: the
+    lines before the first ``...`` start ``printed``, those after the last end it, the others follow in order."""
+    parts: list[list[str]] = [[]]
+    for line in documented:
+        if line.strip() == "...":
+            parts.append([])
+        else:
+            parts[-1].append(line)
+    head, *middle, tail = parts
+    if len(printed) < len(head) + len(tail):
+        return False
+    if not all(map(_same_output, printed[: len(head)], head)):
+        return False
+    if not all(map(_same_output, printed[len(printed) - len(tail) :], tail)):
+        return False
+    rest = printed[len(head) : len(printed) - len(tail)]
+    for part in middle:
+        starts = range(len(rest) - len(part) + 1)
+        found = next((i for i in starts if all(map(_same_output, rest[i : i + len(part)], part))), None)
+        if found is None:
+            return False
+        rest = rest[found + len(part) :]
+    return True
 
 
 # ------------------------------------------------------------------------------------------ hook reference
@@ -709,6 +739,15 @@ def test_every_python_block_of_the_guides_runs_or_is_exempt_with_a_reason():
     for page in GUIDES:
         if _python_blocks(DOCS / page):
             assert page in RUN_PAGES, f"docs/{page} has python blocks but no project in PROJECTS runs it"
+
+
+def test_a_text_block_skips_printed_lines_only_where_it_shows_an_ellipsis():
+    printed = "epoch 1/2  step 4/8  12 steps/s\nfit summary\n{'loss': 0.50001}\n"
+    assert _same_output(printed, "...\n{'loss': 0.5}\n")
+    assert _same_output(printed, "epoch 1/2  step 4/8  12 steps/s\n...\n{'loss': 0.5}")
+    assert not _same_output(printed, "{'loss': 0.5}\n")  # without one, every printed line is shown
+    assert not _same_output(printed, "...\n{'loss': 0.6}\n")
+    assert not _same_output(printed, "...\nfit summary\n")  # the lines after the last ``...`` end the output
 
 
 def test_the_command_finder_sees_continuations_prompts_and_environment(tmp_path):

@@ -460,7 +460,8 @@ def test_config_yaml_and_metrics_jsonl_written(tmp_path):
     assert config["engine"]["max_epochs"] == 2
     assert config["engine"]["log_every_n_steps"] == 1
     assert config["engine"]["output_dir"] == str(out.parent)
-    assert config["plugins"] == {"configured": {"alpha": 2.0, "tags": ["x"]}}
+    progress = {"enabled": True, "refresh_per_second": 4.0, "plain_every_n_seconds": 0.0, "terminal": None}
+    assert config["plugins"] == {"configured": {"alpha": 2.0, "tags": ["x"]}, "progress": progress}  # + the default
 
     lines = (out / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]

@@ -646,7 +646,7 @@ def test_the_inspect_command_describes_a_checkpoint_and_reports_a_bad_path_in_on
     assert text.stdout.splitlines()[0] == f"checkpoint    {checkpoint}"
     assert "step          2 (epoch 0)" in text.stdout.splitlines()
     assert "plugin state  (none)" in text.stdout.splitlines()
-    assert f"files         {size:,} bytes ({size / 1000:.3g} kB) in all (optimizer state included)" in text.stdout
+    assert f"files         {size:,} bytes ({size / 1024:.3g} KiB) in all (optimizer state included)" in text.stdout
     bad = run_cli("inspect", "run", cwd=root)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("torchloom: error: inspect: 'run' is not a checkpoint") and bad.stderr.count("\n") == 1

@@ -160,3 +160,169 @@ def test_plugin_scan_catches(source):
 )
 def test_plugin_scan_allows_the_public_api(source):
     assert plugin_violations(source) == []
+
+
+# ------------------------------------------------------------------------------- no import cycle
+
+
+def module_names(src: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under ``src`` (a package is its ``__init__.py``)."""
+    names = {}
+    for path in python_files(src):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join(parts)] = path
+    return names
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:`` (imports for type checkers only, never run)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(inner) for statement in node.body for inner in ast.walk(statement))
+    return skipped
+
+
+def import_graph(src: Path, top: str = "torchloom") -> dict[str, set[str]]:
+    """Which module of the package ``top`` under ``src`` imports which, lazy (function-level) imports included.
+
+    An edge goes to the module an import runs: ``import a.b`` and ``from a import b`` (``b`` a module) to ``a.b``;
+    ``from a import name`` (a name defined in ``a``) to ``a``, a package's ``__init__`` included, so a submodule
+    that imports ``__version__`` from its package depends on the package. Relative imports and
+    ``importlib.import_module("literal")`` count; imports under ``if TYPE_CHECKING:`` do not. The package ``top``
+    imports the modules its lazy table ``_EXPORTS`` names (PEP 562: it imports them when a name is first used).
+    That a module's parent packages run before it is not an edge (every import of a submodule does that).
+    """
+    modules = module_names(src)
+
+    def known(name: str) -> str | None:  # the module that runs for ``name``: itself, else its package
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules if name == top or name.startswith(top + ".")}
+    for name in graph:
+        path = modules[name]
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        skipped = _type_checking_nodes(tree)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: list[str | None] = []
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets += [known(alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base_parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*base_parts, *([node.module] if node.module else [])])
+                else:
+                    base = node.module or ""
+                for alias in node.names:
+                    submodule = f"{base}.{alias.name}"
+                    targets.append(submodule if submodule in modules else known(base))
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                    targets.append(known(node.args[0].value))
+            elif name == top and isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_EXPORTS":
+                targets += [known(value.value) for value in node.value.values if isinstance(value, ast.Constant)]
+        graph[name] = {t for t in targets if t in graph and t != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """For each group of modules that import each other (directly or not), its shortest cycle from its first
+    module, ``[a, b, ..., a]``."""
+
+    # Modules that reach each other: those reachable from a module that also reach it back.
+    def reachable(start: str) -> set[str]:
+        seen, stack = set(), [start]
+        while stack:
+            for nxt in graph[stack.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    reach = {name: reachable(name) for name in graph}
+    cycles, grouped = [], set()
+    for start in sorted(graph):
+        if start in grouped or start not in reach[start]:
+            continue
+        group = {m for m in reach[start] if start in reach[m]}
+        grouped |= group
+        parent, queue = {start: start}, [start]  # breadth first, inside the group: the shortest way back
+        while queue:
+            current = queue.pop(0)
+            if start in graph[current]:
+                path = [current]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                cycles.append([*reversed(path), start])
+                break
+            for nxt in sorted(graph[current] & group):
+                if nxt not in parent:
+                    parent[nxt] = current
+                    queue.append(nxt)
+    return cycles
+
+
+def test_src_torchloom_has_no_import_cycle():
+    graph = import_graph(ROOT / "src")
+    assert {"torchloom", "torchloom.engine", "torchloom.cli", "torchloom.data"} <= set(graph)
+    assert "torchloom.engine" in graph["torchloom"]  # the lazy table counts
+    cycles = import_cycles(graph)
+    assert cycles == [], "import cycles (lazy imports included):\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("files", "cycle"),
+    [
+        (  # a lazy import back
+            {"pkg/__init__.py": "", "pkg/a.py": "from pkg.b import f\n", "pkg/b.py": "def f():\n    import pkg.a\n"},
+            ["pkg.a", "pkg.b", "pkg.a"],
+        ),
+        (  # a submodule that imports a name from its package, which re-exports it lazily
+            {
+                "pkg/__init__.py": '_EXPORTS = {"thing": "pkg.a"}\n__version__ = "1"\n',
+                "pkg/a.py": "def f():\n    from pkg import __version__\n",
+            },
+            ["pkg", "pkg.a", "pkg"],
+        ),
+        (  # relative imports, three modules round
+            {
+                "pkg/__init__.py": "",
+                "pkg/sub/__init__.py": "from .x import X\n",
+                "pkg/sub/x.py": "from ..y import Y\nX = 1\n",
+                "pkg/y.py": "import importlib\nY = importlib.import_module('pkg.sub')\n",
+            },
+            ["pkg.sub", "pkg.sub.x", "pkg.y", "pkg.sub"],
+        ),
+    ],
+    ids=["lazy", "package-name", "relative"],
+)
+def test_the_cycle_check_finds_cycles(tmp_path: Path, files: dict[str, str], cycle: list[str]) -> None:
+    assert import_cycles(import_graph(_write_tree(tmp_path, files), top="pkg")) == [cycle]
+
+
+def test_the_cycle_check_leaves_out_what_never_runs_and_submodule_imports(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n",
+        "pkg/b.py": "from pkg import a\nimport pkg.a\n",  # a submodule, not the package: no edge to pkg
+    }
+    graph = import_graph(_write_tree(tmp_path, files), top="pkg")
+    assert graph == {"pkg": set(), "pkg.a": set(), "pkg.b": {"pkg.a"}}
+    assert import_cycles(graph) == []

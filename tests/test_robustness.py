@@ -40,7 +40,7 @@ def test_plugins_that_are_not_plugins_are_one_clear_error(plugins, message):
 
 def test_a_multi_entry_mapping_in_a_list_enables_each_in_order():
     engine = torchloom.Engine(plugins=[{"grad_clip": {"max_norm": 2.0}, "grad_accum": {"steps": 2}}, Noop()])
-    assert [p.name for p in engine.plugins] == ["grad_clip", "grad_accum", "noop"]
+    assert [p.name for p in engine.plugins] == ["grad_clip", "grad_accum", "noop", "progress"]  # then the default
     assert engine.plugins[0].config.max_norm == 2.0
 
 

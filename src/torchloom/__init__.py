@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from torchloom._version import __version__
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
@@ -42,6 +42,7 @@ _EXPORTS = {
     "enable_plugins": "torchloom.plugins",
     "estimate_memory": "torchloom._memory_plan",
     "estimate_optimizer_memory": "torchloom.memory",
+    "format_bytes": "torchloom._bytes",
     "hookimpl": "torchloom.hookspecs",
     "hookspec": "torchloom.hookspecs",
     "inspect_path": "torchloom._inspect",
@@ -84,6 +85,7 @@ __all__ = [
     "enable_plugins",
     "estimate_memory",
     "estimate_optimizer_memory",
+    "format_bytes",
     "hookimpl",
     "hookspec",
     "inspect_path",
@@ -114,6 +116,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from torchloom._agreement import RankAgreement
     from torchloom._atomic import write_atomically
+    from torchloom._bytes import format_bytes
     from torchloom._context import rank_agreement, request_stop, save_checkpoint
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path

@@ -256,7 +256,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.utils.convert_file_size_to_int",
         "to read a size such as 10GB or 512MiB as Accelerate does (estimate-memory's limits)",
-        (_MEMORY,),
+        ("torchloom._bytes",),
     ),
     # ----------------------------------------------------------------------------------------------------- torch
     Internal(
@@ -267,17 +267,17 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "torch.utils._python_dispatch.TorchDispatchMode",
         "estimate-memory counts every storage an operation creates and frees during the fake step",
-        (_MEMORY,),
+        ("torchloom._memory_trace",),
     ),
     Internal(
         "torch.utils._pytree.tree_flatten",
         "the tensors among an operation's outputs, in estimate-memory's dispatch mode",
-        (_MEMORY,),
+        ("torchloom._memory_trace",),
     ),
     Internal(
         "torch.UntypedStorage._cdata",
         "the identity of a storage, so that estimate-memory counts a storage shared by several tensors once",
-        (_MEMORY,),
+        ("torchloom._memory_trace",),
     ),
     Internal(
         "torch.distributed.nn.functional",

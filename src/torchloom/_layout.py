@@ -11,6 +11,7 @@ from pathlib import Path
 __all__ = [
     "CHECKPOINTS_DIR",
     "LATEST",
+    "MODEL_CARD",
     "MODEL_DIR",
     "RUN_DIR",
     "RUN_FILES",
@@ -33,6 +34,8 @@ SUMMARY_FILE = "summary.json"
 end of a completed ``fit`` or ``validate`` (by the ``progress`` plugin); ``torchloom inspect`` reads it."""
 #: What a run directory holds from the moment its run started (at least one of them).
 RUN_FILES = ("config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)
+#: The model card's file name, in the exported model's directory (a run's ``model/``).
+MODEL_CARD = "torchloom_model.json"
 
 
 def run_directories(output_dir: str | os.PathLike[str]) -> list[Path]:

@@ -181,7 +181,7 @@ def _manifest(
         for path in sorted(root.rglob("*"))
         if path.is_file()
     }
-    from torchloom import __version__
+    from torchloom._version import __version__
 
     unwrapped = accelerator.unwrap_model(model)
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -228,7 +228,7 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{str(path)!r} is not a torchloom checkpoint manifest")
     if manifest.get("version") != VERSION:
-        from torchloom import __version__
+        from torchloom._version import __version__
 
         raise CheckpointError(
             f"{str(path)!r} is checkpoint format version {manifest.get('version')!r}; this torchloom "

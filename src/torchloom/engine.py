@@ -14,6 +14,7 @@ from typing import Any
 from accelerate import Accelerator
 
 from torchloom._context import RunContext, activate
+from torchloom._default_plugins import with_default_plugins
 from torchloom._default_step import DefaultTrainStep
 from torchloom._evaluation import prediction_pass
 from torchloom._fit_state import FitState
@@ -39,7 +40,11 @@ class Engine:
     Args:
         config (`EngineConfig`, *optional*): the loop settings; or pass them as keyword arguments.
         plugins (*optional*): the plugins to enable, in order: ``{"name": {settings}, ...}``, or a list of
-            names, plugin objects and ``{"name": {settings}}`` entries. Only these are imported.
+            names, plugin objects and ``{"name": {settings}}`` entries. Only these are imported, and the default
+            plugins (``progress``) that the list does not name: name one with its settings to change or switch it
+            off (``{"progress": {"enabled": False}}``).
+        default_plugins (`bool`, defaults to True): also enable the default plugins (as the ``torchloom``
+            command does); False enables exactly ``plugins``.
         **settings: `EngineConfig` fields (``max_epochs=3, output_dir="runs/x"``).
 
     Raises:
@@ -63,11 +68,18 @@ class Engine:
             ``(kind, path)`` with kind ``"checkpoint"`` or ``"model"``.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, plugins: PluginSpec = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        plugins: PluginSpec = None,
+        default_plugins: bool = True,
+        **settings: Any,
+    ) -> None:
         if config is not None and settings:
             raise ConfigError("Engine: pass either config=EngineConfig(...) or keyword settings, not both")
         self.config = config if config is not None else EngineConfig.from_settings(settings)
-        self.plugins = enable_plugins(plugins)
+        self.plugins = enable_plugins(with_default_plugins(plugins) if default_plugins else plugins)
         #: The resolved run configuration written to ``config.yaml`` (the CLI sets the full one).
         self.run_config: dict[str, Any] | None = None
         self.logs = RunLog()

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchloom._context import log_to_active_run, request_stop
-from torchloom._export import MODEL_CARD, check_weight_files
+from torchloom._layout import MODEL_CARD
+from torchloom._safetensors import check_weight_files
 from torchloom.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -91,9 +91,12 @@ class TinyTask(TaskModule):
 def tiny_fit(plugins: PluginSpec = None, task: TaskModule | None = None, **settings: Any) -> Engine:
     """Fit ``task`` (default: `TinyTask`) with ``plugins`` and engine ``settings``; return the engine.
 
-    ``log_every_n_steps`` defaults to 1 so that every optimizer step is in ``engine.history``.
+    ``log_every_n_steps`` defaults to 1 so that every optimizer step is in ``engine.history``. The fit enables
+    exactly ``plugins``: none of the default plugins that `torchloom.Engine` adds (the ``progress`` display), so that
+    a plugin's test sees only the plugins it names; pass ``default_plugins=True`` to add them.
     """
     settings.setdefault("log_every_n_steps", 1)
+    settings.setdefault("default_plugins", False)
     engine = Engine(plugins=plugins, **settings)
     engine.fit(task if task is not None else TinyTask())
     return engine

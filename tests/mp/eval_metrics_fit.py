@@ -73,7 +73,7 @@ def main() -> None:
         }
     }
     engine = torchloom.Engine(output_dir=str(out / "run"), plugins={"eval_metrics": settings})
-    (plugin,) = engine.plugins
+    plugin = engine.plugins[0]  # the defaults (progress) come after the plugins a run names
     task = Scorer()
     try:
         engine.validate(task, DataLoader(data, batch_size=BATCH))

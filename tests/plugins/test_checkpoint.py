@@ -64,7 +64,7 @@ def test_keep_last_deletes_older_checkpoints_completely(tmp_path):
     engine.fit(TinyTask())
     # Steps 7 and 8, and the end-of-epoch save at step 8; nothing half-deleted is left behind.
     assert _names(engine.run_dir) == ["step-00000008", "step-00000008-epoch-end"]
-    (plugin,) = engine.plugins
+    plugin = engine.plugins[0]  # the defaults (progress) come after the plugins a run names
     assert plugin.saved == [str(Path(engine.run_dir) / "checkpoints" / n) for n in _names(engine.run_dir)]
 
 
@@ -88,7 +88,7 @@ def test_keep_best_keeps_the_best_scoring_checkpoint_next_to_the_last(tmp_path, 
     )
     engine.fit(ScriptedValidation([0.5, 0.9, 0.1, 0.3]))  # validations at steps 2, 4, 6, 8
     assert _names(engine.run_dir) == sorted({best, "step-00000008"})
-    (plugin,) = engine.plugins
+    plugin = engine.plugins[0]  # the defaults (progress) come after the plugins a run names
     assert plugin.scores[str(Path(engine.run_dir) / "checkpoints" / best)] == {"max": 0.9, "min": 0.1}[mode]
 
 
@@ -105,7 +105,7 @@ def test_a_nan_score_is_never_the_best_and_the_real_best_survives(tmp_path, mode
     )
     engine.fit(ScriptedValidation(scores))  # validations at steps 2, 4, 6, 8
     assert _names(engine.run_dir) == [best, "step-00000008"]
-    (plugin,) = engine.plugins
+    plugin = engine.plugins[0]  # the defaults (progress) come after the plugins a run names
     assert all(not math.isnan(v) for v in plugin.scores.values())
 
 
@@ -186,7 +186,7 @@ def test_a_monitor_that_is_never_logged_warns_once_with_the_closest_name(tmp_pat
     names the logged names and the closest one; the same fit with the right name says nothing."""
     settings = {"every_n_steps": 2, "every_n_epochs": None, "keep_last": 1, "monitor": "val/scor"}
     engine, said = _monitored_fit(tmp_path / "typo", settings, [0.5, 0.9, 0.1, 0.3])
-    (plugin,) = engine.plugins
+    plugin = engine.plugins[0]  # the defaults (progress) come after the plugins a run names
     assert plugin.scores == {} and _names(engine.run_dir) == ["step-00000008"]
     assert said == [
         "checkpoint: monitor 'val/scor' was never logged during this fit, so no checkpoint was ranked by it and none "
@@ -205,7 +205,7 @@ def test_saves_that_never_see_a_fresh_value_warn(tmp_path):
     _, said = _monitored_fit(tmp_path / "aligned", settings, [0.5, 0.9, 0.1, 0.3])
     assert said == []
     engine, said = _monitored_fit(tmp_path / "stale", settings, [0.5, 0.9], val_check_interval=4)
-    (plugin,) = engine.plugins
+    plugin = engine.plugins[0]  # the defaults (progress) come after the plugins a run names
     assert sorted(plugin.scores.values()) == [0.5]  # as before: the latest value at each save (none at step 3)
     assert said == [
         "checkpoint: monitor 'val/score' was logged at steps 4, 8, but none of the 2 checkpoints of this fit (at "

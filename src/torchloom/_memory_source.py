@@ -1,0 +1,311 @@
+"""Where `torchloom.estimate_memory`'s model comes from: a model directory, a transformers config, a run config's task,
+a module or a callable, built on ``meta`` or fake tensors (nothing allocated) into a `Source`: a fake prototype of the
+model and how to run one micro-batch of it (the inputs and labels a transformers model's head takes)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchloom._suggest import closest
+from torchloom.errors import ConfigError, TorchloomError
+
+__all__ = ["CHECKPOINT_PLUGIN", "ForwardFn", "Source", "construct", "fake_copy", "load_source"]
+
+#: The plugin whose ``configure_model`` enables activation checkpointing in the checkpointed rows.
+CHECKPOINT_PLUGIN = "grad_checkpoint"
+
+ForwardFn = Callable[[torch.nn.Module, int, "int | None"], torch.Tensor]
+
+
+@dataclass
+class Source:
+    """A fake prototype of the model and how to run one micro-batch of it."""
+
+    label: str
+    prototype: torch.nn.Module
+    loss: Callable[[torch.nn.Module, Any, int, int | None], torch.Tensor]
+    make_batch: Callable[[torch.nn.Module, int, int | None], Any] | None = None
+    max_len: int | None = None
+    needs_seq_len: bool = False
+    checkpoint_settings: dict[str, Any] | None = None
+
+
+def load_source(model: Any, architecture: str | None, forward: ForwardFn | None, mode: Any) -> Source:
+    checkpoint_settings = None
+    if isinstance(model, str | os.PathLike):
+        path = os.fspath(model)
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"model {path!r} does not exist; expected a local Hugging Face model directory (with config.json), "
+                "a transformers config (.json) or a torchloom run config (.yaml)"
+            )
+        if path.endswith((".yaml", ".yml")) and os.path.isfile(path):
+            built, checkpoint_settings = _from_run_config(path, mode)
+        else:
+            built = _build_hf(_read_hf_config(path), architecture, mode)
+    elif _is_hf_config(model):
+        built = _build_hf(model, architecture, mode)
+    elif isinstance(model, torch.nn.Module):
+        built = model
+    elif callable(model):
+        built = construct(model, mode)
+        if not isinstance(built, torch.nn.Module):
+            raise ConfigError(f"model: {model!r} returned {type(built).__name__}; expected a torch.nn.Module")
+    else:
+        raise ConfigError(
+            f"model = {model!r}; expected a path (model directory, config .json, run config .yaml), a transformers "
+            "config, a torch.nn.Module or a callable that returns one"
+        )
+    prototype = fake_copy(built, mode)
+    label = type(built).__name__
+    if forward is not None:
+        if not callable(forward):
+            raise ConfigError(f"forward = {forward!r}; expected a callable (model, batch_size, seq_len) -> loss")
+        return Source(
+            label, prototype, lambda m, _batch, b, s: forward(m, b, s), checkpoint_settings=checkpoint_settings
+        )
+    config = getattr(prototype, "config", None)
+    if not _is_hf_model(prototype) or not _is_hf_config(config):
+        raise ConfigError(
+            f"estimate_memory: {label} is not a transformers model, so its inputs are unknown; pass "
+            "forward=lambda model, batch_size, seq_len: <loss> (Python API: torchloom.estimate_memory)"
+        )
+    return _hf_source(label, prototype, config, checkpoint_settings)
+
+
+def _is_hf_config(obj: Any) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    return isinstance(obj, sys.modules["transformers"].PretrainedConfig)
+
+
+def _is_hf_model(obj: Any) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    return isinstance(obj, sys.modules["transformers"].PreTrainedModel)
+
+
+def _read_hf_config(path: str) -> Any:
+    import transformers
+
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model {path!r} is a directory without config.json; expected a Hugging Face model directory")
+    if os.path.isfile(path) and not path.endswith(".json"):
+        raise ConfigError(
+            f"model {path!r} is neither a transformers config (.json) nor a torchloom run config (.yaml / .yml)"
+        )
+    try:
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model {path!r}: not a transformers config: {exc}") from None
+
+
+def _head_classes() -> dict[str, set[str]]:
+    """transformers class names by the labels their head takes (from the auto-class mappings)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    def names(*mappings: Mapping[str, Any]) -> set[str]:
+        found: set[str] = set()
+        for mapping in mappings:
+            for value in mapping.values():
+                found.update([value] if isinstance(value, str) else value)
+        return found
+
+    return {
+        "token": names(
+            auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+            auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+            auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+        ),
+        "token_classes": names(auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES),
+        "sequence": names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES),
+    }
+
+
+def _auto_class_names(model_type: Any) -> dict[str, str]:
+    """The transformers class names registered for ``model_type``, by auto-class kind (from the auto mappings)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    mappings: dict[str, Mapping[str, Any]] = {
+        "masked": auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "causal": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "seq2seq": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        "base": auto.MODEL_MAPPING_NAMES,
+        "sequence": auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+        "token": auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES,
+    }
+    found = {kind: mapping.get(str(model_type)) for kind, mapping in mappings.items()}
+    return {kind: name for kind, name in found.items() if isinstance(name, str)}
+
+
+def _build_hf(config: Any, architecture: str | None, mode: Any) -> torch.nn.Module:
+    import transformers
+
+    model_type = getattr(config, "model_type", None)
+    registered = _auto_class_names(model_type)
+    valid = f"Valid for model_type {model_type!r}: {', '.join(sorted(set(registered.values()))) or '(none known)'}"
+    name: str | None = architecture or next(iter(getattr(config, "architectures", None) or []), None)
+    if name is None:  # an encoder's masked LM, else the causal LM, else the seq2seq LM, else the base model
+        kinds = (
+            ["causal", "seq2seq", "base"]
+            if getattr(config, "is_decoder", False)
+            else ["masked", "causal", "seq2seq", "base"]
+        )
+        name = next((registered[k] for k in kinds if k in registered), None)
+    cls = getattr(transformers, name, None) if name else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        close = closest(str(name), sorted(set(registered.values())))
+        hint = f"; did you mean {close!r}?" if close else "."
+        raise ConfigError(f"architecture {name!r} is not a transformers model class{hint} {valid}")
+    config_class: Any = cls.config_class
+    if isinstance(config_class, type) and not isinstance(config, config_class):
+        raise ConfigError(
+            f"architecture {name!r} takes a {config_class.__name__}, not the {type(config).__name__} given. {valid}"
+        )
+    try:
+        return construct(lambda: cls(config), mode)
+    except Exception as exc:
+        raise ConfigError(
+            f"estimate_memory: building {name} from its config failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _hf_source(label: str, prototype: torch.nn.Module, config: Any, checkpoint: dict[str, Any] | None) -> Source:
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ConfigError(
+            f"estimate_memory: {label} takes no input_ids (its config has no vocab_size); pass "
+            "forward=lambda model, batch_size, seq_len: <loss>"
+        )
+    heads = _head_classes()
+    kind = "token" if label in heads["token"] else "sequence" if label in heads["sequence"] else None
+    num_labels = getattr(config, "num_labels", 2)
+
+    def make_batch(model: torch.nn.Module, batch_size: int, seq_len: int | None) -> dict[str, torch.Tensor]:
+        assert seq_len is not None
+        batch = {"input_ids": torch.randint(0, vocab, (batch_size, seq_len))}
+        if kind == "token":
+            high = num_labels if label in heads["token_classes"] else vocab
+            batch["labels"] = torch.randint(0, high, (batch_size, seq_len))
+        elif kind == "sequence":
+            batch["labels"] = (
+                torch.randn(batch_size) if num_labels == 1 else torch.randint(0, num_labels, (batch_size,))
+            )
+        return batch
+
+    def loss(model: torch.nn.Module, batch: Any, batch_size: int, seq_len: int | None) -> torch.Tensor:
+        outputs = model(**batch)
+        if kind is not None:
+            return outputs.loss
+        first = outputs[0] if isinstance(outputs, tuple | list) or hasattr(outputs, "to_tuple") else outputs
+        return first.float().sum()
+
+    max_len = getattr(config, "max_position_embeddings", None)
+    return Source(
+        label,
+        prototype,
+        loss,
+        make_batch,
+        max_len=max_len if isinstance(max_len, int) and max_len > 0 else None,
+        needs_seq_len=True,
+        checkpoint_settings=checkpoint,
+    )
+
+
+def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, dict[str, Any] | None]:
+    """Build the model of a run config's task (its ``configure_model``, on fake tensors) and read its
+    ``grad_checkpoint`` plugin's settings."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"run config {path!r}: cannot read it: {exc}") from None
+    task_section = config.get("task") if isinstance(config, Mapping) else None
+    if not isinstance(task_section, Mapping) or "class_path" not in task_section:
+        raise ConfigError(
+            f"run config {path!r} has no task (task: {{class_path: module.Class, init_args: {{...}}}}); "
+            "estimate-memory builds the task's model"
+        )
+    from jsonargparse import ArgumentParser
+
+    from torchloom.module import TaskModule
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(TaskModule, "task", required=True)
+    try:
+        task = parser.instantiate(parser.parse_object({"task": dict(task_section)})).task
+    except Exception as exc:
+        cause = _torchloom_error_in(exc)
+        if cause is not None:
+            raise cause from None
+        raise ConfigError(f"run config {path!r}: task: {' '.join(str(exc).split())}") from None
+    built = construct(task.configure_model, mode)
+    if not isinstance(built, torch.nn.Module):
+        raise ConfigError(
+            f"run config {path!r}: {type(task).__name__}.configure_model returned {type(built).__name__}; "
+            "expected a torch.nn.Module"
+        )
+    return built, _plugin_settings(config.get("plugins"), CHECKPOINT_PLUGIN)
+
+
+def _plugin_settings(section: Any, name: str) -> dict[str, Any] | None:
+    """The settings a run config's ``plugins`` section gives plugin ``name`` (``{}`` if enabled without any)."""
+    entries: list[Any] = list(section.items()) if isinstance(section, Mapping) else []
+    if isinstance(section, list):
+        for entry in section:
+            if isinstance(entry, str):
+                entries.append((entry, None))
+            elif isinstance(entry, Mapping):
+                entries.extend(entry.items())
+    for key, value in entries:
+        if key == name:
+            return dict(value or {})
+    return None
+
+
+def _torchloom_error_in(exc: BaseException) -> TorchloomError | None:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, TorchloomError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def construct(build: Callable[[], Any], mode: Any) -> Any:
+    """Call ``build`` with ``meta`` as the default device (nothing allocated); if that fails (transformers'
+    ``from_pretrained`` refuses it), on fake tensors, where loaded weights are read into host memory once."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except TorchloomError:
+        raise
+    except Exception:
+        with mode:
+            return build()
+
+
+def fake_copy(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors (on the CPU for a ``meta`` model), tied
+    parameters still tied; ``model`` itself is not changed and no data is copied."""
+    memo: dict[int, Any] = {}
+    with mode:
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        for _, t in named:
+            if id(t) in memo:
+                continue
+            data = torch.empty_like(t, device="cpu" if t.device.type == "meta" else t.device)
+            memo[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+        return copy.deepcopy(model, memo)

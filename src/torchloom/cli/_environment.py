@@ -1,0 +1,50 @@
+"""The ``torchloom`` command's process set-up: what it puts on ``sys.path`` and how quiet it keeps processes other
+than the main one."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Mapping, MutableMapping
+
+from ._config import config_paths
+
+__all__ = ["is_other_process", "put_config_dir_on_path", "quiet_other_processes"]
+
+
+def put_config_dir_on_path(argv: list[str]) -> None:
+    """Make modules next to the ``--config`` file (and in the working directory) importable, after the installed
+    packages: a file there named like a library (``yaml.py``) never replaces it. A config is data; only a
+    ``class_path`` (or a plugin the config enables) imports code."""
+    paths = [os.getcwd()] + [os.path.dirname(os.path.abspath(p)) for p in config_paths(argv)]
+    for path in paths:
+        if path not in sys.path:
+            sys.path.append(path)
+
+
+def quiet_other_processes(environ: MutableMapping[str, str]) -> bool:
+    """On a process other than the main one of a multi-process run (``WORLD_SIZE`` > 1, ``RANK`` != 0), keep
+    library chatter to the main process: transformers' and datasets' logging at errors only (their load reports
+    print once, from rank 0) and Python warnings off. ``TRANSFORMERS_VERBOSITY``, ``DATASETS_VERBOSITY`` and
+    ``-W`` / ``PYTHONWARNINGS`` set by the user win. Returns whether this is such a process."""
+    if not is_other_process(environ):
+        return False
+    for variable, module in (("TRANSFORMERS_VERBOSITY", "transformers"), ("DATASETS_VERBOSITY", "datasets")):
+        if variable in environ:
+            continue
+        environ[variable] = "error"  # read when the library is first imported
+        if module in sys.modules:  # already imported: set it directly
+            sys.modules[module].logging.set_verbosity_error()
+    if not sys.warnoptions:
+        warnings.simplefilter("ignore")
+    return True
+
+
+def is_other_process(environ: Mapping[str, str]) -> bool:
+    """Whether the environment says this is a process other than rank 0 of a run of several processes (set by
+    ``torchrun`` and ``accelerate launch``)."""
+    try:
+        return int(environ.get("WORLD_SIZE", "1")) > 1 and int(environ.get("RANK", "0")) != 0
+    except ValueError:
+        return False

@@ -1,0 +1,88 @@
+"""``torchloom inspect PATH [--json]``: describe a checkpoint, a run directory or an exported model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torchloom
+
+__all__ = ["HELP", "parser", "run"]
+
+HELP = "describe a checkpoint, run directory or exported model"
+
+
+def parser() -> Any:
+    from jsonargparse import ArgumentParser
+
+    sub = ArgumentParser(description="Describe a checkpoint, a run directory or an exported model")
+    sub.add_argument("path", type=str, help="a checkpoint, a run directory (version_N) or an exported model")
+    sub.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return sub
+
+
+def run(parser: Any, cfg: Any) -> int:
+    """``torchloom inspect PATH [--json]``: what `torchloom.inspect_path` finds, as text or one JSON object."""
+    info = torchloom.inspect_path(cfg.path)
+    if cfg.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for label, value in _inspection_lines(info):
+        print(f"{label:<13} {value}")
+    return 0
+
+
+def _inspection_lines(info: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The rows of ``torchloom inspect``'s text: ``(label, value)``, an empty label continuing the row above."""
+    rows = [(info["kind"], info["path"]), ("model class", info["model_class"] or "n/a")]
+    params = info["parameters"]
+    total, trainable = params["total"], params["trainable"]
+    rows.append(
+        (
+            "parameters",
+            "n/a (no manifest or model card)"
+            if total is None
+            else f"{total:,} ({'trainable n/a' if trainable is None else f'{trainable:,} trainable'})",
+        )
+    )
+    weights = info["weights"]
+    if weights is None:
+        rows.append(("weights", "n/a (no safetensors weights)"))
+    else:
+        where = f" in {info['weights_from']}" if info["kind"] == "run" else ""
+        rows.append(("weights", f"{_amounts(weights)}{where}"))
+        rows += [(f"  {dtype}", _amounts(row)) for dtype, row in weights["dtypes"].items()]
+    if info["global_step"] is not None:
+        rows.append(("step", f"{info['global_step']} (epoch {info['epoch']})"))
+    plugins = info["plugins"]
+    if plugins is None and info["stateful_plugins"] is not None:
+        plugins = dict.fromkeys(info["stateful_plugins"])
+    names = [f"{name} {json.dumps(settings)}" if settings else name for name, settings in (plugins or {}).items()]
+    rows += [("plugins" if i == 0 else "", name) for i, name in enumerate(names or ["(none)"])]
+    metrics = [f"{name} = {_number(value)}" for name, value in sorted(info["metrics"].items())]
+    rows += [("metrics" if i == 0 else "", line) for i, line in enumerate(metrics or ["(none)"])]
+    if info["stateful_plugins"] is not None:
+        rows.append(("plugin state", ", ".join(info["stateful_plugins"]) or "(none)"))
+    if info["checkpoints"] is not None:
+        found = [f"{c['path']}  (step {c['global_step']}, epoch {c['epoch']})" for c in info["checkpoints"]]
+        rows += [("checkpoints" if i == 0 else "", line) for i, line in enumerate(found or ["(none)"])]
+    if info["kind"] == "run":
+        rows.append(("model dir", info["model_dir"] or "(none: the fit saved no model)"))
+    if info["size_bytes"] is not None:
+        rows.append(("files", f"{_byte_count(info['size_bytes'])} in all (optimizer state included)"))
+    return rows
+
+
+def _amounts(row: Mapping[str, int]) -> str:
+    return f"{row['tensors']:,} tensors, {row['elements']:,} elements, {_byte_count(row['bytes'])}"
+
+
+def _byte_count(size: int) -> str:
+    """``1,234,567 bytes (1.18 MiB)``: the exact count, then `torchloom.format_bytes`; under 1 KiB ``20 bytes``."""
+    human = torchloom.format_bytes(size)
+    return f"{size:,} bytes" if human.endswith(" B") else f"{size:,} bytes ({human})"
+
+
+def _number(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
