@@ -179,7 +179,7 @@ def test_bad_settings_are_config_errors(fashion_mnist, tmp_path):
         fashion_mnist.FashionMNISTClassifier(lr=-1)
     with pytest.raises(torchloom.ConfigError, match="image_size=30; the CNN needs a multiple of 4"):
         fashion_mnist.FashionMNISTClassifier(image_size=30)
-    with pytest.raises(torchloom.ConfigError, match="FashionMNISTData: batch_size=0; expected a positive integer"):
+    with pytest.raises(torchloom.ConfigError, match="FashionMNISTData: setting 'batch_size' = 0; expected a positive integer"):
         fashion_mnist.FashionMNISTData(batch_size=0)
     with pytest.raises(torchloom.ConfigError, match=r"deb_path '/nonexistent\.deb' does not exist"):
         fashion_mnist.fetch_fashion_mnist(tmp_path, deb_path="/nonexistent.deb")

@@ -150,5 +150,5 @@ def test_missing_tools_and_bad_settings_are_config_errors(keywords, tmp_path, mo
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(torchloom.ConfigError, match="KeywordClassifier: lr=-1; expected a number >= 0"):
         keywords.KeywordClassifier(lr=-1)
-    with pytest.raises(torchloom.ConfigError, match="KeywordsData: batch_size=0; expected a positive integer"):
+    with pytest.raises(torchloom.ConfigError, match="KeywordsData: setting 'batch_size' = 0; expected a positive integer"):
         keywords.KeywordsData(batch_size=0)
