@@ -306,7 +306,6 @@ class FashionMNISTClassifier(torchloom.TaskModule):
         weight_decay (`float`, defaults to 0.01): AdamW weight decay (not on biases and norm weights).
         warmup_ratio (`float`, defaults to 0.05): the share of optimizer steps that warm up linearly from 0.
         scheduler (`str`, defaults to ``"cosine"``): a `transformers.get_scheduler` name for the rest.
-        num_threads (`int`, *optional*): `torch.set_num_threads`; ``None`` keeps torch's default.
 
     Logged: ``train/loss`` (by the engine); after each validation pass ``val/loss``, ``val/accuracy`` and
     ``val/majority_rate``, exact means over the validation set (gathered over processes with
@@ -325,14 +324,13 @@ class FashionMNISTClassifier(torchloom.TaskModule):
         weight_decay: float = 0.01,
         warmup_ratio: float = 0.05,
         scheduler: str = "cosine",
-        num_threads: int | None = None,
     ) -> None:
         super().__init__()
         if architecture not in ("cnn", "vit"):
             raise torchloom.ConfigError(
                 f"FashionMNISTClassifier: architecture={architecture!r}; expected 'cnn' or 'vit'"
             )
-        for name, count in (("width", width), ("image_size", image_size), ("num_threads", num_threads or 1)):
+        for name, count in (("width", width), ("image_size", image_size)):
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise torchloom.ConfigError(f"FashionMNISTClassifier: {name}={count!r}; expected a positive integer")
         if architecture == "cnn" and image_size % 4:
@@ -351,8 +349,6 @@ class FashionMNISTClassifier(torchloom.TaskModule):
             warmup_ratio,
             scheduler,
         )
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
         self._label_counts: torch.Tensor | None = None  # training labels seen, on device (for the baseline)
         self._majority: torch.Tensor | None = None
 

@@ -261,8 +261,6 @@ class FineFoodsClassifier(torchloom.TaskModule):
         scheduler (`str`, defaults to ``"linear"``): a `transformers.get_scheduler` name.
         label_names (`list[str]`, defaults to ``["other", "great"]``): the classes in id order; saved in the
             model config as ``id2label``.
-        num_threads (`int`, *optional*): `torch.set_num_threads` (intra-op CPU threads); ``None`` keeps torch's
-            default, one per physical core.
 
     Logged: ``train/loss`` (by the engine); after each validation pass ``val/loss`` (mean cross-entropy),
     ``val/accuracy`` and ``val/majority_rate``, all exact means over the validation set (values gathered over
@@ -280,7 +278,6 @@ class FineFoodsClassifier(torchloom.TaskModule):
         warmup_ratio: float = 0.1,
         scheduler: str = "linear",
         label_names: list[str] | None = None,
-        num_threads: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("lr", lr), ("weight_decay", weight_decay)):
@@ -288,12 +285,6 @@ class FineFoodsClassifier(torchloom.TaskModule):
                 raise torchloom.ConfigError(f"FineFoodsClassifier: {name}={value!r}; expected a number >= 0")
         if isinstance(warmup_ratio, bool) or not isinstance(warmup_ratio, int | float) or not 0 <= warmup_ratio < 1:
             raise torchloom.ConfigError(f"FineFoodsClassifier: warmup_ratio={warmup_ratio!r}; expected 0 <= x < 1")
-        if num_threads is not None and (
-            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
-        ):
-            raise torchloom.ConfigError(
-                f"FineFoodsClassifier: num_threads={num_threads!r}; expected a positive integer"
-            )
         self.model_path = model_path or default_model_path()
         if not os.path.isfile(os.path.join(self.model_path, "config.json")):
             raise torchloom.ConfigError(
@@ -306,8 +297,6 @@ class FineFoodsClassifier(torchloom.TaskModule):
             scheduler,
         )
         self.label_names = list(label_names or LABEL_NAMES)
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
         self._label_counts: torch.Tensor | None = None  # training labels seen, on device (for the baseline)
         self._majority: torch.Tensor | None = None
 

@@ -308,7 +308,6 @@ class KeywordClassifier(torchloom.TaskModule):
         weight_decay (`float`, defaults to 0.01): AdamW weight decay.
         augment (`bool`, defaults to False): `spec_augment` each training batch (on these clips it lowered the
             held-out accuracy: see examples/README.md).
-        num_threads (`int`, *optional*): `torch.set_num_threads`; ``None`` keeps torch's default.
 
     Logged: ``train/loss`` (by the engine); after each validation pass ``val/accuracy``, ``val/loss`` and
     ``val/chance_rate`` (1 / the number of words), exact over the validation set (values gathered over processes
@@ -326,7 +325,6 @@ class KeywordClassifier(torchloom.TaskModule):
         lr: float = 3e-3,
         weight_decay: float = 0.01,
         augment: bool = False,
-        num_threads: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("lr", lr), ("weight_decay", weight_decay)):
@@ -334,15 +332,9 @@ class KeywordClassifier(torchloom.TaskModule):
                 raise torchloom.ConfigError(f"KeywordClassifier: {name}={value!r}; expected a number >= 0")
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
             raise torchloom.ConfigError(f"KeywordClassifier: dropout={dropout!r}; expected 0 <= x < 1")
-        if num_threads is not None and (
-            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
-        ):
-            raise torchloom.ConfigError(f"KeywordClassifier: num_threads={num_threads!r}; expected a positive integer")
         self.label_names = list(label_names or WORDS)
         self.channels, self.dropout = channels, float(dropout)
         self.lr, self.weight_decay, self.augment = float(lr), float(weight_decay), augment
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
 
     def configure_model(self) -> nn.Module:
         return KeywordCNN(len(self.label_names), self.channels, self.dropout)

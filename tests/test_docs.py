@@ -750,6 +750,29 @@ def test_a_text_block_skips_printed_lines_only_where_it_shows_an_ellipsis():
     assert not _same_output(printed, "...\nfit summary\n")  # the lines after the last ``...`` end the output
 
 
+SLICE_SETTING = re.compile(r"\bmax_(?:train|val)_samples=")
+
+
+def _documented_runs() -> list[tuple[str, str]]:
+    """(where, text) for every documented command, and every inline code span that reads as options of one
+    (a table of commands), across the docs, the README and the contributing notes."""
+    found = [(where, command) for command, where in _all_commands().items()]
+    for page in [*sorted(DOCS.rglob("*.md")), ROOT / "README.md", ROOT / "CONTRIBUTING.md"]:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for span in re.findall(r"`([^`]*--\w[^`]*)`", line):
+                found.append((f"{page.relative_to(ROOT)}:{number}", span))
+    return found
+
+
+def test_a_run_on_a_slice_of_an_examples_data_writes_to_its_own_output_dir():
+    """A smoke run on a few samples must not move the example's ``latest`` to a model that learned nothing
+    (issue 24: the README's 64-review slice wrote into ``runs/fine_foods``)."""
+    runs = [(where, text) for where, text in _documented_runs() if SLICE_SETTING.search(text)]
+    assert len(runs) >= 5, runs  # the README row and the examples' slice commands
+    shared = [f"{where}: {text}" for where, text in runs if "output_dir=" not in text]
+    assert not shared, "these slice runs write into the example's own output_dir:\n" + "\n".join(shared)
+
+
 def test_the_command_finder_sees_continuations_prompts_and_environment(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(

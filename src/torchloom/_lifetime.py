@@ -13,10 +13,13 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
+
 from torchloom._accelerator import build_accelerator, note_run_failed
 from torchloom._default_step import DefaultTrainStep
 from torchloom._runfiles import MetricsFile, create_run_dir, discard_run_dir
 from torchloom._setup import Run, engine_relay, prepare_run, reuse_run
+from torchloom._threads import apply_num_threads
 
 __all__ = ["RunStarter"]
 
@@ -35,6 +38,7 @@ class RunStarter:
         self._engine = engine
         self._metrics_file = MetricsFile()
         self.run: Run | None = None
+        self._threads_before: int | None = None  # torch's thread count before the current call set its own
 
     def start(self, task: Any, stage: str, datamodule: Any, **loaders: Any) -> Run:
         """Fire ``setup``, create this call's run directory, and build the run, or reuse the last fit's model
@@ -42,6 +46,7 @@ class RunStarter:
         run directory and fires ``teardown`` before it propagates."""
         engine, run = self._engine, self.run
         cfg = engine.config
+        self._threads_before = apply_num_threads(cfg.num_threads)  # before anything is built; undone by end()
         if stage == "fit" or run is None or getattr(task, "model", None) is not run.model or datamodule is not None:
             run, relay = None, engine_relay(engine.plugins, DefaultTrainStep(), self._metrics_file)
             engine.logs.clear()  # nothing logged by an earlier (failed) run leaks into this one
@@ -71,6 +76,7 @@ class RunStarter:
             if accelerator is not None:
                 discard_run_dir(run_dir, accelerator)
             relay.call_cleanup("teardown", exc, accelerator=accelerator, stage=stage)  # teardown always runs
+            self._restore_threads()
             raise
 
     def set_up(self, run: Run, stage: str, step: Callable[..., T], *args: Any) -> T:
@@ -99,5 +105,11 @@ class RunStarter:
     def end(self, run: Run, stage: str, error: BaseException | None, failure: BaseException | None = None) -> None:
         """Fire ``teardown``; raise a clean-up failure of a call that itself succeeded (``error`` is ``None``)."""
         failure = run.relay.call_cleanup("teardown", failure or error, accelerator=run.accelerator, stage=stage)
+        self._restore_threads()
         if failure is not None and failure is not error:
             raise failure
+
+    def _restore_threads(self) -> None:
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None

@@ -48,6 +48,13 @@ class EngineConfig:
             several processes, one small all-reduce per optimizer step); skipped steps are logged as
             ``train/skipped_steps``. ``"ignore"``: train on (the model may become NaN). fp16 loss-scale
             overflows are not affected: the loss scaler skips those steps itself.
+        num_threads (`int`, *optional*): torch's intra-op CPU thread count in this process for each ``fit`` /
+            ``validate`` / ``predict`` call (`torch.set_num_threads`; the previous count is restored when the call
+            ends). ``None``: when ``OMP_NUM_THREADS`` is set (by you, by ``torchrun`` with several processes, or
+            by ``accelerate launch``) torch's count from it is kept; otherwise the CPUs this process may use are
+            divided among the processes of this machine (``LOCAL_WORLD_SIZE``), at least one each, as
+            ``accelerate launch`` does. On a small model and a shared machine, 1 is often much faster than
+            torch's default (one thread per core): see the performance page.
 
     Raises:
         ConfigError: a setting of the wrong type (by its annotation) or out of range, one message of the shape
@@ -63,6 +70,7 @@ class EngineConfig:
     save_model: bool = False
     num_sanity_val_steps: int = 2
     nonfinite_loss: str = "error"
+    num_threads: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, object] | None) -> EngineConfig:
@@ -83,7 +91,7 @@ class EngineConfig:
         if isinstance(self.output_dir, os.PathLike):
             self.output_dir = os.fspath(self.output_dir)
         check_fields(self, OWNER)  # the types, by the annotations above
-        for field in ("max_epochs", "log_every_n_steps", "max_steps", "val_check_interval"):
+        for field in ("max_epochs", "log_every_n_steps", "max_steps", "val_check_interval", "num_threads"):
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise invalid(field, value, "a positive integer", owner=OWNER)
