@@ -773,6 +773,43 @@ def test_a_run_on_a_slice_of_an_examples_data_writes_to_its_own_output_dir():
     assert not shared, "these slice runs write into the example's own output_dir:\n" + "\n".join(shared)
 
 
+def _example_runs() -> dict[str, dict]:
+    """`examples/results.py`'s ``RUNS`` (what each page quotes)."""
+    spec = importlib.util.spec_from_file_location("torchloom_example_results", ROOT / "examples" / "results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RUNS
+
+
+def test_the_example_pages_show_the_results_the_script_recorded():
+    """Every number an example page shows for a run is the one ``python examples/results.py`` recorded (issue 24:
+    a page kept 0.8837 after the run had moved to 0.8830); the example tests check that their slices still reach
+    the recorded values."""
+    recorded = json.loads((ROOT / "examples" / "results.json").read_text(encoding="utf-8"))["runs"]
+    checked = []
+    for run_id, spec in _example_runs().items():
+        for page, row, *names in spec.get("quoted", []):
+            text = (ROOT / page).read_text(encoding="utf-8")
+            lines = [line for line in text.splitlines() if line.startswith(f"| {row} |")]
+            assert len(lines) == 1, f"{page}: no single table row starts with {row!r} (run {run_id})"
+            cells = lines[0].split("|")[2:-1]  # the cells after the row's name
+            shown = set(NUMBER.findall(" ".join(cells).replace("*", "")))
+            decimals = {**spec["shown"], **spec.get("decimals", {})}
+            for name in names[0] if names else spec["shown"]:
+                value = f"{recorded[run_id]['metrics'][name]:.{decimals[name]}f}"
+                assert value in shown, f"{page}: the row of {run_id} shows {cells}, the recorded {name} is {value}"
+                checked.append((run_id, name))
+        if "curve" in spec:
+            page, before = spec["curve"]
+            curve = ", ".join(f"{v:.3f}" for v in recorded[run_id]["val_accuracy_per_validation"])
+            assert f"{before}{curve}." in (ROOT / page).read_text(encoding="utf-8").replace("\n", " "), (
+                f"{page}: the curve of {run_id} after {before!r} is not the recorded {curve}"
+            )
+            checked.append((run_id, "curve"))
+    assert len(checked) >= 15, checked
+
+
 def test_the_command_finder_sees_continuations_prompts_and_environment(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 import torchloom
+from example_results import assert_reaches_recorded
 from torchloom.data import ImageClassificationData
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -131,6 +132,7 @@ def test_cli_fit_learns_well_above_chance_and_saves_a_reloadable_model(fashion_m
     final = [r for r in records if "val/accuracy" in r][-1]
     assert final["step"] == 16  # 1024 images / batch 64, one epoch
     assert final["val/majority_rate"] < 0.2 < 0.5 < final["val/accuracy"]  # chance is 0.1
+    assert_reaches_recorded("fashion_mnist/test_slice", final)  # what the page shows (examples/results.py)
     assert "val/accuracy" in result.stdout
 
     # The saved weights reload into the same model and reproduce the logged accuracy over the same 500 images.
@@ -179,7 +181,9 @@ def test_bad_settings_are_config_errors(fashion_mnist, tmp_path):
         fashion_mnist.FashionMNISTClassifier(lr=-1)
     with pytest.raises(torchloom.ConfigError, match="image_size=30; the CNN needs a multiple of 4"):
         fashion_mnist.FashionMNISTClassifier(image_size=30)
-    with pytest.raises(torchloom.ConfigError, match="FashionMNISTData: setting 'batch_size' = 0; expected a positive integer"):
+    with pytest.raises(
+        torchloom.ConfigError, match="FashionMNISTData: setting 'batch_size' = 0; expected a positive integer"
+    ):
         fashion_mnist.FashionMNISTData(batch_size=0)
     with pytest.raises(torchloom.ConfigError, match=r"deb_path '/nonexistent\.deb' does not exist"):
         fashion_mnist.fetch_fashion_mnist(tmp_path, deb_path="/nonexistent.deb")

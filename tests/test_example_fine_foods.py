@@ -19,6 +19,8 @@ import torch
 import yaml
 from torchmetrics.functional.classification import binary_auroc, binary_f1_score
 
+from example_results import assert_reaches_recorded
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = EXAMPLES / "fine_foods.yaml"
 SMALL = {"max_train_samples": 64, "max_val_samples": 64, "max_length": 32, "batch_size": 16, "eval_batch_size": 32}
@@ -90,6 +92,7 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
     final = [r for r in records if "val/accuracy" in r][-1]  # validation values are a record of their own
     training = [r for r in records if "train/loss" in r][-1]
     assert final["step"] == training["step"] == 4  # 64 reviews / batch 16, one epoch
+    assert_reaches_recorded("fine_foods/test_slice", final)  # what the page shows (examples/results.py)
     assert 0.0 <= final["val/accuracy"] <= 1.0 and 0.0 <= final["val/majority_rate"] <= 1.0
     assert final["val/loss"] > 0 and "train/loss" not in final
     assert "val/accuracy" in result.stdout and "val/majority_rate" in result.stdout

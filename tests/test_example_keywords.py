@@ -20,6 +20,8 @@ import pytest
 import torch
 import yaml
 
+from example_results import assert_reaches_recorded
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = EXAMPLES / "keywords.yaml"
 SMALL = {"max_train_samples": 64, "max_val_samples": 64}
@@ -135,6 +137,7 @@ def test_three_epochs_on_every_clip_beat_chance_on_unheard_voices(keywords, tmp_
     metrics = keywords.main(["engine.max_epochs=3", f"engine.output_dir={tmp_path}", "engine.save_model=false"])
     assert metrics["val/chance_rate"] == pytest.approx(0.1)
     assert metrics["val/accuracy"] > 0.5
+    assert_reaches_recorded("keywords/three_epochs", metrics)  # what the page shows (examples/results.py)
 
 
 def test_missing_tools_and_bad_settings_are_config_errors(keywords, tmp_path, monkeypatch):
@@ -150,5 +153,7 @@ def test_missing_tools_and_bad_settings_are_config_errors(keywords, tmp_path, mo
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(torchloom.ConfigError, match="KeywordClassifier: lr=-1; expected a number >= 0"):
         keywords.KeywordClassifier(lr=-1)
-    with pytest.raises(torchloom.ConfigError, match="KeywordsData: setting 'batch_size' = 0; expected a positive integer"):
+    with pytest.raises(
+        torchloom.ConfigError, match="KeywordsData: setting 'batch_size' = 0; expected a positive integer"
+    ):
         keywords.KeywordsData(batch_size=0)

@@ -1,0 +1,202 @@
+"""Run the examples' measured configurations and record what they reach in ``examples/results.json``.
+
+    python examples/results.py                    # every run below (about 10 minutes on the 2-core machine)
+    python examples/results.py fashion_mnist/cnn keywords/three_epochs   # these runs only (the others are kept)
+    python examples/results.py --list
+
+The example pages (``docs/examples/*.md``) quote these results; ``tests/test_docs.py`` checks that every row it
+names shows the recorded values, and the example tests check that their own slice of the data still reaches the
+recorded values, so a change that moves a result fails a test until this script has been run again and the page
+updated. Each run is ``torchloom fit --config examples/<config> <overrides>`` in a fresh subprocess, in a new
+output directory under a temporary folder (the example's data caches are used and filled as usual). Recorded per
+run: the last validation values, the ``val/accuracy`` after each validation, the optimizer steps, the fit's wall
+time (``summary.json``) and the process's, the load average before it, and what the values depend on (torch,
+the CPU, the thread count of the config).
+
+The values are deterministic for a given machine kind, torch build and thread count (the configs set
+``engine.num_threads: 1``); another CPU (other vector units), another torch or another thread count changes the
+last digits and can move an accuracy by a few samples. Times depend on the load of the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results.json"
+FINE_FOODS, FASHION_MNIST, KEYWORDS, INDEX = (
+    f"docs/examples/{name}.md" for name in ("fine_foods", "fashion_mnist", "keywords", "index")
+)
+
+#: run id -> its config and overrides, and where a page quotes it: ``quoted`` maps a page to the first cell of the
+#: table row that shows the run (and, third, which values it shows, else those of ``shown``); ``shown`` gives the
+#: decimals each value has there, ``decimals`` those of values only some rows show (tests/test_docs.py checks them).
+#: The slices are the example tests' own.
+RUNS: dict[str, dict[str, Any]] = {
+    "fine_foods/full": {
+        "config": "fine_foods.yaml",
+        "overrides": [],
+        "quoted": [
+            (FINE_FOODS, "**`torchloom fit --config examples/fine_foods.yaml`**"),
+            (FINE_FOODS, "plain (`fine_foods.yaml`, fp32, torch AdamW)"),
+            (INDEX, "[fine_foods](fine_foods.md): is this review a 5-star one? (text)", ["val/accuracy", "val/auroc"]),
+        ],
+        "shown": {"val/accuracy": 3, "val/majority_rate": 3, "val/loss": 3},
+        "decimals": {"val/auroc": 4},  # shown only where a row names it
+    },
+    "fine_foods/test_slice": {
+        "config": "fine_foods.yaml",
+        "overrides": [
+            "--data.init_args.max_train_samples=64",
+            "--data.init_args.max_val_samples=64",
+            "--data.init_args.max_length=32",
+            "--data.init_args.batch_size=16",
+            "--data.init_args.eval_batch_size=32",
+        ],
+        "quoted": [(FINE_FOODS, "the test's slice (`tests/test_example_fine_foods.py`)")],
+        "shown": {"val/accuracy": 3, "val/majority_rate": 3, "val/loss": 3},
+    },
+    "fashion_mnist/cnn": {
+        "config": "fashion_mnist.yaml",
+        "overrides": [],
+        "quoted": [
+            (FASHION_MNIST, "**`torchloom fit --config examples/fashion_mnist.yaml`** (CNN)"),
+            (INDEX, "[fashion_mnist](fashion_mnist.md): which kind of clothing is this? (images)", ["val/accuracy"]),
+        ],
+        "shown": {"val/accuracy": 4, "val/majority_rate": 3, "val/loss": 3},
+    },
+    "fashion_mnist/vit": {
+        "config": "fashion_mnist_vit.yaml",
+        "overrides": [],
+        "quoted": [
+            (FASHION_MNIST, "`torchloom fit --config examples/fashion_mnist_vit.yaml` (ViT + ViTImageProcessor)")
+        ],
+        "shown": {"val/accuracy": 4, "val/majority_rate": 3, "val/loss": 3},
+    },
+    "fashion_mnist/test_slice": {
+        "config": "fashion_mnist.yaml",
+        "overrides": [
+            "--data.init_args.max_train_samples=1024",
+            "--data.init_args.max_val_samples=500",
+            "--data.init_args.batch_size=64",
+            "--data.init_args.eval_batch_size=250",
+            "--engine.max_epochs=1",
+        ],
+        "quoted": [(FASHION_MNIST, "the test's slice: 1,024 train / 500 val, 1 epoch")],
+        "shown": {"val/accuracy": 3, "val/majority_rate": 3, "val/loss": 3},
+    },
+    "keywords/full": {
+        "config": "keywords.yaml",
+        "overrides": [],
+        "quoted": [
+            (
+                KEYWORDS,
+                "**`torchloom fit --config examples/keywords.yaml`**, "
+                "fresh cache (makes the clips, featurises, trains)",
+            ),
+            (KEYWORDS, "the same, data cached"),
+            (INDEX, "[keywords](keywords.md): which word was spoken? (audio)", ["val/accuracy"]),
+            (KEYWORDS, "`python examples/keywords.py` (the same config)"),
+        ],
+        "shown": {"val/accuracy": 4, "val/chance_rate": 3, "val/loss": 3},
+        "curve": (KEYWORDS, "The first row's held-out accuracy after each epoch: "),
+    },
+    "keywords/three_epochs": {
+        "config": "keywords.yaml",
+        "overrides": ["--engine.max_epochs=3"],
+        "quoted": [(KEYWORDS, "shorter: `engine.max_epochs=3` (what the test runs)")],
+        "shown": {"val/accuracy": 4, "val/chance_rate": 3},
+    },
+}
+
+
+def environment() -> dict[str, Any]:
+    """What the values depend on."""
+    import torch
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def run(run_id: str, root: Path) -> dict[str, Any]:
+    """One run through the command line; its recorded values."""
+    spec = RUNS[run_id]
+    out = root / run_id.replace("/", "_")
+    command = [
+        sys.executable,
+        "-m",
+        "torchloom.cli",
+        "fit",
+        "--config",
+        str(HERE / spec["config"]),
+        *spec["overrides"],
+        f"--engine.output_dir={out}",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True)
+    process_s = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{run_id}: exited with {proc.returncode}\n{proc.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "latest" / "metrics.jsonl").read_text().splitlines()]
+    validations = [r for r in records if "val/accuracy" in r]
+    summary = json.loads((out / "latest" / "summary.json").read_text())
+    config = yaml.safe_load((out / "latest" / "config.yaml").read_text())
+    final = validations[-1]
+    return {
+        "command": "torchloom fit --config examples/" + " ".join([spec["config"], *spec["overrides"]]),
+        "metrics": {k: v for k, v in final.items() if k.startswith("val/")},
+        "val_accuracy_per_validation": [r["val/accuracy"] for r in validations],
+        "optimizer_steps": summary["optimizer_steps"],
+        "fit_s": round(summary["wall_time_s"], 1),
+        "process_s": round(process_s, 1),
+        "load_before": round(load, 2),
+        "num_threads": config["engine"].get("num_threads"),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="*", help=f"run ids (default: all): {', '.join(RUNS)}")
+    parser.add_argument("--list", action="store_true", help="list the run ids and stop")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(f"{k}: {v['config']} {' '.join(v['overrides'])}".rstrip() for k, v in RUNS.items()))
+        return
+    unknown = [r for r in args.runs if r not in RUNS]
+    if unknown:
+        parser.error(f"unknown run id(s) {', '.join(unknown)}; valid: {', '.join(RUNS)}")
+    import torchloom
+
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for run_id in args.runs or list(RUNS):
+            print(f"{run_id} ...", flush=True)
+            results["runs"][run_id] = {**run(run_id, Path(tmp)), "environment": environment()}
+            print(json.dumps(results["runs"][run_id]["metrics"]), flush=True)
+            results["runs"] = dict(sorted(results["runs"].items()))
+            # each finished run is kept, even if a later one fails
+            torchloom.write_atomically(RESULTS, json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
