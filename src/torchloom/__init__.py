@@ -29,6 +29,7 @@ _EXPORTS = {
     "Monitor": "torchloom.monitor",
     "PluginInfo": "torchloom.plugins",
     "Progress": "torchloom.progress",
+    "Resumed": "torchloom._lineage",
     "RunFileError": "torchloom.errors",
     "SUMMARY_FILE": "torchloom._layout",
     "StepHooks": "torchloom.step",
@@ -72,6 +73,7 @@ __all__ = [
     "PluginInfo",
     "Progress",
     "RankAgreement",
+    "Resumed",
     "RunFileError",
     "StepHooks",
     "TaskError",
@@ -121,6 +123,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
     from torchloom._layout import MODEL_DIR, SUMMARY_FILE
+    from torchloom._lineage import Resumed
     from torchloom._memory_plan import estimate_memory
     from torchloom._names import INTERNAL_PREFIX
     from torchloom._strict_json import json_dumps

@@ -17,7 +17,9 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
   model's parameter names and shapes and its count of trainable parameters, the optimizer's class, the stateful
-  plugins, the logged values, and every file with its size and SHA-256.
+  plugins, the logged values, the whole training up to it (``training``: the ``metrics.jsonl`` records written,
+  the samples, the training and wall time, the runs its run continued; see `torchloom._lineage`), and every file
+  with its size and SHA-256.
 
 Atomic: every process writes into ``.step-00000120.tmp-<pid>`` next to the final name; when all are done the
 main process writes the manifest and renames the directory into place in one ``os.rename``. A process killed
@@ -91,12 +93,15 @@ def write_checkpoint(
     metrics: Mapping[str, float],
     agreement: Any,
     process_state: dict[str, Any] | None = None,
+    training: Mapping[str, Any] | None = None,
 ) -> str:
     """Write a checkpoint into ``directory`` atomically (every process calls this); return its path.
 
     ``engine_state`` is the main process's; ``process_state`` (each process's own: its partial log sums, its
     data generators) is written by every process, with its random states (`random_states`), to
     ``engine/process_<rank>/``, and `load_checkpoint` merges it into the engine state of the same process.
+    ``training`` (the main process's, `torchloom._lineage.training_record`) is the manifest's ``training``: the
+    whole training up to the checkpoint, which a resumed fit carries over.
 
     Raises:
         CheckpointError: ``directory`` exists.
@@ -117,7 +122,7 @@ def write_checkpoint(
         failure = agreement.first(_write_parts(tmp, accelerator, plugins, scheduler, engine_state, own_state))
         if failure is None and main:  # every process's files are complete
             try:
-                manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics)
+                manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics, training)
                 (tmp / MANIFEST).write_text(json_dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
                 _fsync_tree(tmp)
                 os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
@@ -175,6 +180,7 @@ def _manifest(
     plugins: Iterable[Any],
     engine_state: dict[str, Any],
     metrics: Mapping[str, float],
+    training: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     files = {
         path.relative_to(root).as_posix(): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
@@ -203,6 +209,7 @@ def _manifest(
         "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
         "plugins": sorted(p.stem for p in (root / "plugins").glob("*.json")) if (root / "plugins").is_dir() else [],
         "metrics": {k: v for k, v in metrics.items()},
+        "training": dict(training or {}),
         "files": files,
     }
 

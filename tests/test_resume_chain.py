@@ -1,0 +1,109 @@
+"""A training interrupted twice reads as one (issue 24, item 4): each run directory keeps only what its own process
+wrote, and the last one is complete.
+
+A trains C11's task (10 ids, batches of 2, 3 epochs: 15 steps) without a stop. B saves at step 7 and dies at step
+9; C resumes B's checkpoint, saves at step 11 and dies at step 13; D resumes C's checkpoint and finishes. What B
+and C logged after their checkpoints was done again by the next run. D's ``metrics.jsonl`` must be A's, record for
+record, with the records up to step 11 marked as carried over from the run that logged them (B's up to 7, C's
+from 8 to 11); its TensorBoard log must hold A's curve; its ``summary.json`` must count the
+whole training as A's does (the samples once each, the 15 steps, the 3 epochs, every value's last and best) and
+D's own part apart; ``resumed_from.json`` and ``torchloom inspect`` name B then C. B's and C's files stay theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import torchloom
+from torchrun_util import MP_DIR
+
+sys.path.insert(0, str(MP_DIR))
+
+from resume_fit import Crash, Run, ShuffleTask, fit
+
+CARRIED_OVER = "carried_over_from"  # the mark of a carried-over record (docs/runs.md)
+
+
+def _records(run_dir: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _unmarked(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k != CARRIED_OVER} for r in records]
+
+
+def _summary(run: Run) -> dict[str, Any]:
+    return json.loads((Path(run.engine.run_dir) / torchloom.SUMMARY_FILE).read_text())
+
+
+class DiesAt:
+    """Kills the fit (`Crash`) at the end of optimizer step ``step``."""
+
+    name = "test.dies_at"
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @torchloom.hookimpl
+    def on_train_step_end(self, progress: Any) -> None:
+        if progress.global_step == self.step:
+            raise Crash
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> dict[str, Run]:
+    """A uninterrupted; B (saves at 7, dies at 9), C (resumes B's 7, saves at 11, dies at 13), D (resumes C's 11):
+    one output_dir, trackers on."""
+    trackers = {"trackers": {"log_with": ["tensorboard"]}}
+    a = fit(ShuffleTask, tmp_path_factory.mktemp("a"), [trackers])
+    out = tmp_path_factory.mktemp("bcd")
+    b = fit(ShuffleTask, out, [trackers, DiesAt(9)], save_at=[7], crash=False)
+    c = fit(ShuffleTask, out, [trackers, DiesAt(13)], save_at=[11], crash=False, ckpt_path=b.checkpoint)
+    d = fit(ShuffleTask, out, [trackers], ckpt_path=c.checkpoint)
+    assert b.crashed and c.crashed and not d.crashed
+    return {"a": a, "b": b, "c": c, "d": d}
+
+
+def test_the_resumed_runs_metrics_are_the_uninterrupted_runs_with_the_carried_over_ones_marked(chain) -> None:
+    a, b, c, d = (chain[k] for k in "abcd")
+    whole, last = _records(a.engine.run_dir), _records(d.engine.run_dir)
+    assert _unmarked(last) == whole  # every record once, in order: none lost, none twice
+    marks = [(r["step"], r.get(CARRIED_OVER)) for r in last]
+    b_dir, c_dir = b.engine.run_dir, c.engine.run_dir
+    expected = [(s, b_dir if s <= 7 else c_dir if s <= 11 else None) for s, _ in marks]
+    assert marks == expected  # carried over up to the checkpoint (step 11), each from the run that logged it
+    assert all(r.get(CARRIED_OVER) is None for r in d.engine.history)  # what the engine returns is D's own
+    assert [r for r in last if CARRIED_OVER not in r] == [dict(r) for r in d.engine.history]
+
+
+def test_each_run_directory_keeps_only_what_its_own_process_wrote(chain) -> None:
+    a, b, c = chain["a"], chain["b"], chain["c"]
+    whole = _records(a.engine.run_dir)
+    assert _records(b.engine.run_dir) == [r for r in whole if r["step"] <= 9]  # B: its own, nothing added later
+    c_records = _records(c.engine.run_dir)  # C: B's up to 7 (carried), then its own up to its death at 13
+    assert _unmarked(c_records) == [r for r in whole if r["step"] <= 13]
+    assert [r["step"] for r in c_records if CARRIED_OVER in r] == [r["step"] for r in whole if r["step"] <= 7]
+    assert not (Path(b.engine.run_dir) / "resumed_from.json").exists()
+
+
+def test_records_logged_after_the_checkpoint_at_its_own_step_are_not_carried_over(tmp_path) -> None:
+    """B saves at step 5, the last step of epoch 0, and goes on: the epoch's validation logs at step 5 after the save,
+    then B dies at step 7. The fit resumed from step 5 validates epoch 0 again: carrying over every record of step
+    <= 5 would hold that validation twice, carrying those of step < 5 would lose the training record of step 5."""
+    settings = {"val_check_interval": None, "log_every_n_steps": 1}
+    checkpoint = [{"checkpoint": {"every_n_steps": 5, "every_n_epochs": None, "keep_last": None}}]
+    a = fit(ShuffleTask, tmp_path / "a", checkpoint, **settings)
+    b = fit(ShuffleTask, tmp_path / "bc", checkpoint, save_at=[7], **settings)
+    step5 = str(Path(b.engine.run_dir) / "checkpoints" / "step-00000005")
+    assert [r["step"] for r in _records(b.engine.run_dir)].count(5) == 2  # train/loss before the save, val after
+    c = fit(ShuffleTask, tmp_path / "bc", checkpoint, ckpt_path=step5, **settings)
+    resumed = _records(c.engine.run_dir)
+    assert _unmarked(resumed) == _records(a.engine.run_dir)
+    carried = [r for r in resumed if CARRIED_OVER in r]
+    assert [(r["step"], "val/loss" in r) for r in carried][-1] == (5, False)  # train/loss of step 5, not its val
+    assert len(carried) == len(_records(b.engine.run_dir)) - 3  # val@5, train@6, train@7 were after the save
