@@ -107,3 +107,16 @@ def test_records_logged_after_the_checkpoint_at_its_own_step_are_not_carried_ove
     carried = [r for r in resumed if CARRIED_OVER in r]
     assert [(r["step"], "val/loss" in r) for r in carried][-1] == (5, False)  # train/loss of step 5, not its val
     assert len(carried) == len(_records(b.engine.run_dir)) - 3  # val@5, train@6, train@7 were after the save
+
+
+def test_the_resumed_runs_tensorboard_log_holds_the_whole_curve_at_its_steps(chain) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(run: Run) -> dict[str, list[tuple[int, float]]]:
+        reader = EventAccumulator(str(Path(run.engine.run_dir) / "torchloom"))
+        reader.Reload()
+        return {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+
+    whole, last = scalars(chain["a"]), scalars(chain["d"])
+    assert last == whole and [s for s, _ in last["val/loss"]] == [4, 8, 12, 15]
+    assert [s for s, _ in scalars(chain["b"])["val/loss"]] == [4, 8]  # B's own log is untouched
