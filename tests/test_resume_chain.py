@@ -109,6 +109,33 @@ def test_records_logged_after_the_checkpoint_at_its_own_step_are_not_carried_ove
     assert len(carried) == len(_records(b.engine.run_dir)) - 3  # val@5, train@6, train@7 were after the save
 
 
+def test_the_resumed_runs_summary_counts_the_whole_training_and_its_own_part_apart(chain) -> None:
+    a, c, d = chain["a"], chain["c"], chain["d"]
+    whole, last = _summary(a), _summary(d)
+    assert last["metrics"] == whole["metrics"]  # last and best over the whole curve, at the same steps
+    assert (
+        (last["optimizer_steps"], last["epochs"], last["samples"])
+        == (15, 3, 30)
+        == (
+            whole["optimizer_steps"],
+            whole["epochs"],
+            whole["samples"],
+        )
+    )  # each of the 30 samples counted once: B's 14 (to step 7), C's 8 (steps 8 to 11), D's 8 (12 to 15)
+    own = last["this_run"]
+    assert (own["optimizer_steps"], own["samples"]) == (4, 8)
+    assert last["runs"] == 3 and last["resumed_from"] == c.checkpoint
+    lineage = json.loads((Path(d.engine.run_dir) / "resumed_from.json").read_text())
+    before = lineage["carried_over"]
+    assert before["samples"] == 22  # B's 14 and C's 8, up to step 11
+    assert before["records"] == len([r for r in _records(a.engine.run_dir) if r["step"] <= 11])
+    assert last["train_time_s"] == pytest.approx(before["train_time_s"] + own["train_time_s"])
+    assert last["wall_time_s"] == pytest.approx(before["wall_time_s"] + own["wall_time_s"])
+    assert before["train_time_s"] > 0 and last["wall_time_s"] > own["wall_time_s"] >= own["train_time_s"] > 0
+    assert last["samples_per_s"] == pytest.approx(30 / last["train_time_s"])
+    assert own["samples_per_s"] == pytest.approx(8 / own["train_time_s"])
+
+
 def test_the_resumed_runs_tensorboard_log_holds_the_whole_curve_at_its_steps(chain) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
