@@ -136,6 +136,30 @@ def test_the_resumed_runs_summary_counts_the_whole_training_and_its_own_part_apa
     assert own["samples_per_s"] == pytest.approx(8 / own["train_time_s"])
 
 
+def test_the_chain_of_runs_is_recorded_and_inspect_prints_it_oldest_first(chain, capsys) -> None:
+    b, c, d = chain["b"], chain["c"], chain["d"]
+    links = [
+        {"run_dir": b.engine.run_dir, "checkpoint": b.checkpoint, "global_step": 7},
+        {"run_dir": c.engine.run_dir, "checkpoint": c.checkpoint, "global_step": 11},
+    ]
+    lineage = json.loads((Path(d.engine.run_dir) / "resumed_from.json").read_text())
+    assert (lineage["checkpoint"], lineage["global_step"], lineage["chain"]) == (c.checkpoint, 11, links)
+    assert torchloom.inspect_path(d.engine.run_dir)["resumed_from"] == links
+    assert torchloom.inspect_path(c.engine.run_dir)["resumed_from"] == links[:1]
+    assert torchloom.inspect_path(c.checkpoint)["resumed_from"] == links[:1]  # the runs its run continued
+    assert torchloom.inspect_path(b.engine.run_dir)["resumed_from"] is None
+    from torchloom.cli import main
+
+    capsys.readouterr()
+    assert main(["inspect", d.engine.run_dir]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("continues"))
+    assert lines[start : start + 2] == [
+        f"continues     {b.engine.run_dir} up to step 7 (checkpoint step-00000007)",
+        f"              {c.engine.run_dir} up to step 11 (checkpoint step-00000011)",
+    ]
+
+
 def test_the_resumed_runs_tensorboard_log_holds_the_whole_curve_at_its_steps(chain) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -147,3 +171,17 @@ def test_the_resumed_runs_tensorboard_log_holds_the_whole_curve_at_its_steps(cha
     whole, last = scalars(chain["a"]), scalars(chain["d"])
     assert last == whole and [s for s, _ in last["val/loss"]] == [4, 8, 12, 15]
     assert [s for s, _ in scalars(chain["b"])["val/loss"]] == [4, 8]  # B's own log is untouched
+
+
+def test_a_checkpoint_outside_a_run_directory_carries_its_totals_but_no_records(tmp_path) -> None:
+    import shutil
+
+    b = fit(ShuffleTask, tmp_path / "b", save_at=[7])
+    moved = shutil.copytree(b.checkpoint, tmp_path / "moved")
+    with pytest.warns(UserWarning, match="none of the 3 records"):
+        c = fit(ShuffleTask, tmp_path / "c", ckpt_path=str(moved))
+    assert all(CARRIED_OVER not in r for r in _records(c.engine.run_dir))
+    assert _summary(c)["samples"] == 30 and _summary(c)["this_run"]["samples"] == 16
+    assert torchloom.inspect_path(c.engine.run_dir)["resumed_from"] == [
+        {"run_dir": None, "checkpoint": str(moved), "global_step": 7}
+    ]
