@@ -50,6 +50,7 @@ _EXPORTS = {
     "installed_plugins": "torchloom.plugins",
     "json_dumps": "torchloom._strict_json",
     "load_plugin_state": "torchloom.state",
+    "prune_checkpoints": "torchloom.checkpoint",
     "RankAgreement": "torchloom._agreement",
     "rank_agreement": "torchloom._context",
     "request_stop": "torchloom._context",
@@ -94,6 +95,7 @@ __all__ = [
     "installed_plugins",
     "json_dumps",
     "load_plugin_state",
+    "prune_checkpoints",
     "rank_agreement",
     "request_stop",
     "save_checkpoint",
@@ -127,7 +129,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._memory_plan import estimate_memory
     from torchloom._names import INTERNAL_PREFIX
     from torchloom._strict_json import json_dumps
-    from torchloom.checkpoint import delete_checkpoint
+    from torchloom.checkpoint import delete_checkpoint, prune_checkpoints
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule
     from torchloom.engine import Engine
