@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import torchloom
 from torchloom.checkpoint import list_checkpoints
 from torchloom.testing import TinyTask
 from torchrun_util import MP_DIR, torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class AfterEachSave:
@@ -205,6 +208,13 @@ def test_a_bad_keep_across_runs_is_one_line(value, message) -> None:
     with pytest.raises(torchloom.ConfigError) as info:
         torchloom.Engine(plugins={"checkpoint": {"keep_across_runs": value}})
     assert str(info.value) == message
+
+
+def test_the_examples_that_save_checkpoints_bound_them() -> None:
+    for config in sorted((ROOT / "examples").glob("*.yaml")):
+        plugins = yaml.safe_load(config.read_text()).get("plugins") or {}
+        if "checkpoint" in plugins:
+            assert (plugins["checkpoint"] or {}).get("keep_across_runs") is not None, config.name
 
 
 @pytest.mark.multiprocess
