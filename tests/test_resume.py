@@ -58,6 +58,10 @@ def assert_resumed_exactly(a: Run | dict[str, Any], b: Run | None = None, c: Run
     for sa, sbc in zip(a_steps, bc_steps, strict=True):
         assert sbc == sa, f"optimizer step {sa['step']} differs"
     assert rec["bc_history"] == rec["a_history"], "another history"
+    # C's metrics.jsonl is A's: B's records carried over (marked with B's run directory), then C's own.
+    assert rec["c_file"] == rec["a_file"], "C's metrics.jsonl is not the uninterrupted run's"
+    carried = len(rec["b_file"])  # B stopped right after its checkpoint: everything it logged is carried over
+    assert rec["c_carried"] == [rec["b_run_dir"]] * carried + [None] * (len(rec["c_file"]) - carried)
     for key, value in rec["a"].items():
         assert rec["c"][key] == value, f"final {key} differs"
     if isinstance(a, Run):

@@ -6,10 +6,14 @@ Method card
   the scheduler, the fp16 loss scaler, every process's random states, the data position, the engine's counters and
   every stateful plugin's ``state_dict``) every ``every_n_steps`` optimizer steps and / or every ``every_n_epochs``
   epochs, into ``<run_dir>/checkpoints/``; keep the ``keep_last`` most recent, plus the ``keep_best`` best by a
-  monitored logged value; on SIGTERM (what SLURM and Kubernetes send before they stop a job) or Ctrl-C, save at the
+  monitored logged value, and with ``keep_across_runs`` at most that many of the most recent over all the runs of
+  the ``output_dir`` (`torchloom.prune_checkpoints`), as the HF Trainer's ``save_total_limit`` bounds an
+  ``output_dir``; on SIGTERM (what SLURM and Kubernetes send before they stop a job) or Ctrl-C, save at the
   next optimizer-step boundary on every process and stop with `torchloom.TrainingInterrupted`, which the
   ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues.
-- **Hooks:** ``on_fit_start`` installs the signal handlers (main thread); ``on_log`` records the monitored value;
+- **Hooks:** ``on_run_start`` notes the ``output_dir``; ``on_fit_start`` notes the checkpoint a resumed fit
+  continues (never deleted while it runs) and installs the signal handlers (main thread); ``on_log`` records the
+  monitored value;
   ``on_train_step_end`` saves on the step schedule and acts on an interrupt; ``on_train_epoch_end`` saves on the
   epoch schedule; ``on_train_end`` marks the fit completed and ``on_fit_end`` warns (main process) when
   ``monitor`` was never logged or no save came at a step where it was logged (`torchloom.Monitor`, which also
@@ -20,10 +24,12 @@ Method card
   (`torchloom.RankAgreement.max_later`: a max all-reduce on the run's CPU group), started without waiting at each
   optimizer step and read at the next one: no step waits for it, and every process sees the same answer one step
   after the signal. Only the main process
-  deletes old checkpoints.
+  deletes old checkpoints; with ``keep_across_runs`` and several processes it tells the others which (one gather
+  per save).
 - **Atomic:** a checkpoint is complete or absent (see `torchloom.checkpoint`); old ones are deleted only after a new
   one is complete, each by a rename out of sight first, so a kill at any moment leaves the newest complete
-  checkpoint loadable.
+  checkpoint loadable. ``keep_across_runs`` deletes nothing of a run that another process is still running (its
+  run directory is marked in use while its fit runs).
 - **Sources:** Lightning's ``ModelCheckpoint`` (``every_n_train_steps``, ``every_n_epochs``, ``save_top_k`` with
   ``monitor`` / ``mode``, ``save_last``) and its SIGTERM handling for SLURM; the HF Trainer's ``save_steps`` /
   ``save_total_limit``; Accelerate's ``save_state``.
@@ -32,6 +38,7 @@ Method card
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import warnings
@@ -60,12 +67,18 @@ class CheckpointConfig:
         mode (`str`, defaults to ``"min"``): ``"min"`` or ``"max"``: whether a lower or a higher ``monitor`` is
             better.
         keep_best (`int`, defaults to 1): with ``monitor``, also keep this many best-scoring checkpoints.
+        keep_across_runs (`int`, *optional*): keep at most this many checkpoints over all the run directories of
+            the ``output_dir`` (every ``version_N``): after each save, delete the oldest beyond the most recent
+            ``keep_across_runs``, in earlier runs too, except the checkpoint the fit resumed from, the ``keep_best``
+            best by ``monitor`` (in this fit, and over the runs by the value each checkpoint recorded), and those
+            of a run still running in another process. ``None`` (the default) leaves other runs' checkpoints
+            alone.
         save_on_interrupt (`bool`, defaults to True): on SIGTERM or SIGINT (Ctrl-C) during a fit, save at the next
             optimizer step and stop with `torchloom.TrainingInterrupted`; a second Ctrl-C stops at once.
 
     Raises:
-        ConfigError: a count below 1, no schedule at all, an unknown ``mode``, ``keep_best`` without
-            ``monitor``, an empty ``monitor``.
+        ConfigError: a count below 1 (``keep_across_runs`` included), no schedule at all, an unknown ``mode``,
+            ``keep_best`` without ``monitor``, an empty ``monitor``.
     """
 
     every_n_steps: int | None = None  # save every this many optimizer steps (None: not by steps)
@@ -74,10 +87,11 @@ class CheckpointConfig:
     monitor: str | None = None  # a logged value that ranks the checkpoints
     mode: str = "min"  # min or max: which direction of monitor is better
     keep_best: int = 1  # with monitor: also keep this many best ones
+    keep_across_runs: int | None = None  # at most this many over all the runs of output_dir (None: no bound)
     save_on_interrupt: bool = True  # SIGTERM / Ctrl-C: save at the next optimizer step, then stop
 
     def __post_init__(self) -> None:
-        for setting in ("every_n_steps", "every_n_epochs", "keep_last"):
+        for setting in ("every_n_steps", "every_n_epochs", "keep_last", "keep_across_runs"):
             value = getattr(self, setting)
             if value is not None and value < 1:
                 raise torchloom.ConfigError(f"setting {setting!r} = {value!r}; expected an integer >= 1 or null")
@@ -112,6 +126,7 @@ class Checkpoint(torchloom.Plugin):
     Attributes:
         saved (`list[str]`): the checkpoints this plugin wrote in the current fit and still keeps, oldest first.
         scores (`dict[str, float]`): checkpoint -> the ``monitor`` value it was saved with.
+        resumed_from (`str` or ``None``): the checkpoint the current fit resumed from (never deleted by it).
     """
 
     name = "checkpoint"
@@ -121,6 +136,8 @@ class Checkpoint(torchloom.Plugin):
         super().__init__(config, **settings)
         self.saved: list[str] = []
         self.scores: dict[str, float] = {}
+        self.resumed_from: str | None = None
+        self._output_dir: str | None = None  # the run's output_dir (on_run_start)
         self._value: float | None = None  # the latest monitored value
         # the monitored name: logged or not, fresh at the saves or not (warns here if the mode reads wrong)
         monitor, mode = self.config.monitor, self.config.mode
@@ -135,8 +152,13 @@ class Checkpoint(torchloom.Plugin):
     # ----------------------------------------------------------------------------------------------- fit
 
     @torchloom.hookimpl
-    def on_fit_start(self, accelerator) -> None:
+    def on_run_start(self, run_dir: str) -> None:
+        self._output_dir = os.path.dirname(run_dir)  # <output_dir>/version_N
+
+    @torchloom.hookimpl
+    def on_fit_start(self, accelerator, resumed) -> None:
         self.saved, self.scores, self._value, self._signal, self._pending = [], {}, None, None, None
+        self.resumed_from = None if resumed is None else resumed.checkpoint
         self._completed = False
         if self._monitor is not None:
             self._monitor.start()
@@ -230,16 +252,44 @@ class Checkpoint(torchloom.Plugin):
         self.saved = [p for p in self.saved if p not in expired]
         if accelerator.is_main_process:
             for old in expired:
-                torchloom.delete_checkpoint(old)
+                if os.path.isdir(old):  # else deleted already, by another run's keep_across_runs
+                    torchloom.delete_checkpoint(old)
+        if self.config.keep_across_runs is not None:
+            self._bound_across_runs(accelerator)
         return path
+
+    def _bound_across_runs(self, accelerator) -> None:
+        """``keep_across_runs``: the main process deletes the oldest checkpoints of the ``output_dir``'s runs
+        beyond the bound (sparing the one resumed from and the best kept) and tells the others which."""
+        deleted: list[str] | None = None
+        if accelerator.is_main_process:
+            assert self._output_dir is not None  # on_run_start came first
+            spare = [p for p in (self.resumed_from, *self._best()) if p is not None]
+            deleted = torchloom.prune_checkpoints(
+                self._output_dir,
+                self.config.keep_across_runs,
+                spare=spare,
+                monitor=self.config.monitor,
+                mode=self.config.mode,
+                keep_best=self.config.keep_best,
+            )
+        if accelerator.num_processes > 1:
+            deleted = torchloom.rank_agreement().first(deleted)  # the main process's list, on every process
+        gone = {os.path.realpath(p) for p in deleted or ()}
+        self.saved = [p for p in self.saved if os.path.realpath(p) not in gone]
+        self.scores = {p: v for p, v in self.scores.items() if os.path.realpath(p) not in gone}
+
+    def _best(self) -> list[str]:
+        """This fit's ``keep_best`` best checkpoints by ``monitor`` (none without one)."""
+        if self.config.monitor is None:
+            return []
+        ranked = sorted(self.scores, key=self.scores.__getitem__, reverse=self.config.mode == "max")
+        return ranked[: self.config.keep_best]
 
     def _expired(self) -> list[str]:
         """The checkpoints of this fit that neither the last ``keep_last`` nor the best ``keep_best`` include."""
         keep_last = self.config.keep_last
-        keep = set(self.saved if keep_last is None else self.saved[-keep_last:])
-        if self.config.monitor is not None:
-            ranked = sorted(self.scores, key=self.scores.__getitem__, reverse=self.config.mode == "max")
-            keep |= set(ranked[: self.config.keep_best])
+        keep = set(self.saved if keep_last is None else self.saved[-keep_last:]) | set(self._best())
         expired = [p for p in self.saved if p not in keep]
         for path in expired:
             self.scores.pop(path, None)

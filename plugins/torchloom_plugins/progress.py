@@ -6,7 +6,9 @@ Method card
   training loss, steps per second, elapsed time and ETA; a line with the values of each validation pass; at the
   end of a completed ``fit`` (and of a ``validate``) a table of every logged name with its last and its best
   value, then the optimizer steps, epochs, samples, samples per second, wall time, the run directory and where
-  the model is. The same summary is written to ``<run_dir>/summary.json``.
+  the model is. The same summary is written to ``<run_dir>/summary.json``. A resumed fit's summary counts the
+  whole training: the values, samples and times of the runs it continues up to its checkpoint (``on_fit_start``'s
+  ``resumed``) and its own; ``this_run`` holds its own part.
 - **Where it prints:** stdout, through one `rich.console.Console` made when the plugin is made. When rich says
   stdout is an interactive terminal, a `rich.progress.Progress` bar (redrawn ``refresh_per_second`` times a
   second by rich's own thread; ``print`` output and warnings appear above it). Otherwise (CI logs, ``| tee``,
@@ -18,13 +20,13 @@ Method card
   on the main process: one shape read, a clock read on optimizer steps, and a bar update at most
   ``refresh_per_second`` times a second. Other processes return from every hook at once.
 - **Hooks:** ``setup`` (per-call state, the ``max_epochs`` and ``save_model`` settings), ``on_run_start`` (the
-  run directory; whether this process displays), ``on_fit_start`` (the total, ``task.num_training_steps``; the
-  bar starts), ``on_train_epoch_start``, ``on_train_batch_end`` (samples, steps), ``on_validation_start`` /
-  ``on_validation_end``, ``on_log`` (the loss, the validation line, last and best values), ``on_train_end``
-  (the training clock stops; the bar's last frame stays), ``on_exception``, ``on_fit_end`` (the table and
-  ``summary.json``, only when the fit completed), ``on_predict_start`` / ``on_predict_batch_end`` /
-  ``on_predict_end`` (a batch counter, terminal only) and ``teardown`` (the ``validate`` summary; stops a bar
-  that is still running).
+  run directory; whether this process displays), ``on_fit_start`` (the total, ``task.num_training_steps``; what
+  a resumed fit continues; the bar starts), ``on_train_epoch_start``, ``on_train_batch_end`` (samples, steps),
+  ``on_validation_start`` / ``on_validation_end``, ``on_log`` (the loss, the validation line, last and best
+  values), ``on_train_end`` (the training clock stops; the bar's last frame stays), ``on_exception``,
+  ``on_fit_end`` (the table and ``summary.json``, only when the fit completed), ``on_predict_start`` /
+  ``on_predict_batch_end`` / ``on_predict_end`` (a batch counter, terminal only) and ``teardown`` (the
+  ``validate`` summary; stops a bar that is still running).
 - **Best values:** the smallest value for names that read as an error (a part ``loss``, ``error``,
   ``perplexity``, ``ppl``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer``), the largest for any other name, none for names
   that describe the run's state rather than a result (``lr``, ``learning_rate``, a gradient or weight ``norm``,
@@ -200,6 +202,7 @@ class ProgressBar(torchloom.Plugin):
         self._epoch = 0
         self._samples: int | None = 0  # this process's training samples; None once a batch had no batch size
         self._tracks: dict[str, _Track] = {}
+        self._resumed: Any = None  # what a resumed fit continues (torchloom.Resumed)
         self._failed = False
         self._validated = False
         self._next_log_is_validation = False
@@ -231,9 +234,12 @@ class ProgressBar(torchloom.Plugin):
     # -------------------------------------------------------------------------------------------- fit
 
     @torchloom.hookimpl
-    def on_fit_start(self, task) -> None:
+    def on_fit_start(self, task, resumed) -> None:
         if not self._active:
             return
+        self._resumed = resumed
+        for step, _, values in resumed.logged() if resumed is not None else ():  # the earlier runs' values
+            self._track(values, step)
         self._total = task.num_training_steps
         if self._bar_mode:
             self._start_bar(
@@ -298,11 +304,7 @@ class ProgressBar(torchloom.Plugin):
         if not self._active:
             return
         validation, self._next_log_is_validation = self._next_log_is_validation, False
-        for name, value in metrics.items():
-            track = self._tracks.get(name)
-            if track is None:
-                track = self._tracks[name] = _Track(metric_direction(name))
-            track.add(float(value), progress.global_step)
+        self._track(metrics, progress.global_step)
         if validation:
             self._say(self._validation_line(metrics, progress))
         elif self._bar is not None:
@@ -374,6 +376,13 @@ class ProgressBar(torchloom.Plugin):
         self._active = False
 
     # ----------------------------------------------------------------------------------------- helpers
+
+    def _track(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in metrics.items():
+            track = self._tracks.get(name)
+            if track is None:
+                track = self._tracks[name] = _Track(metric_direction(name))
+            track.add(float(value), step)
 
     def _start_bar(self, *columns: Any, total: int | None, transient: bool = False, **fields: Any) -> None:
         self._bar = rich_progress.Progress(
@@ -451,22 +460,33 @@ class ProgressBar(torchloom.Plugin):
         }
 
     def _fit_summary(self, progress: Any) -> dict[str, Any]:
+        """The whole training's counts (a resumed fit adds the runs it continues, up to its checkpoint), and
+        this run's own under ``this_run``."""
         now = time.perf_counter()
         start = self._train_start if self._train_start is not None else now
-        train_time = max((self._train_end or now) - start - self._val_time, 0.0)
-        steps = progress.global_step
-        samples = None if self._samples is None else self._samples * self._num_processes
+        own = _counts(
+            progress.global_step - (self._resumed.global_step if self._resumed is not None else 0),
+            None if self._samples is None else self._samples * self._num_processes,
+            max((self._train_end or now) - start - self._val_time, 0.0),
+            now - self._started,
+        )
+        whole = own
+        if self._resumed is not None:
+            before = self._resumed
+            samples = None if own["samples"] is None or before.samples is None else before.samples + own["samples"]
+            train_time, wall_time = before.train_time_s + own["train_time_s"], before.wall_time_s + own["wall_time_s"]
+            whole = _counts(progress.global_step, samples, train_time, wall_time)
         assert self._run_dir is not None  # set at on_run_start, before any display
+        trained = self._train_start is not None or self._resumed is not None
         return {
             "stage": "fit",
             "metrics": self._metrics_summary(),
-            "optimizer_steps": steps,
-            "epochs": progress.epoch + 1 if self._train_start is not None else 0,
-            "samples": samples,
-            "train_time_s": train_time,
-            "samples_per_s": samples / train_time if samples is not None and train_time > 0 else None,
-            "steps_per_s": steps / train_time if train_time > 0 else None,
-            "wall_time_s": now - self._started,
+            "optimizer_steps": whole["optimizer_steps"],
+            "epochs": progress.epoch + 1 if trained else 0,
+            **whole,
+            "this_run": own,
+            "runs": 1 + (len(self._resumed.chain) if self._resumed is not None else 0),
+            "resumed_from": self._resumed.checkpoint if self._resumed is not None else None,
             "run_dir": self._run_dir,
             "model_dir": os.path.join(self._run_dir, torchloom.MODEL_DIR) if self._save_model else None,
         }
@@ -517,6 +537,18 @@ class _RateColumn(rich_progress.ProgressColumn):
         return Text(f"- {self.unit}/s" if speed is None else f"{_rate(speed)} {self.unit}/s")
 
 
+def _counts(steps: int, samples: int | None, train_time: float, wall_time: float) -> dict[str, Any]:
+    """A summary's counts of some optimizer steps: the samples and seconds they took, and the rates."""
+    return {
+        "optimizer_steps": steps,
+        "samples": samples,
+        "train_time_s": train_time,
+        "samples_per_s": samples / train_time if samples is not None and train_time > 0 else None,
+        "steps_per_s": steps / train_time if train_time > 0 else None,
+        "wall_time_s": wall_time,
+    }
+
+
 def _short(value: float) -> str:
     """A value for a progress line: 4 significant digits."""
     return f"{value:.4g}"
@@ -528,18 +560,30 @@ def _rate(value: float) -> str:
 
 
 def _info_lines(summary: dict[str, Any]) -> list[str]:
-    parts = []
-    if summary["stage"] == "fit":
-        parts.append(f"{summary['optimizer_steps']} optimizer steps")
+    fit = summary["stage"] == "fit"
+    parts = [f"{summary['optimizer_steps']} optimizer steps"] if fit else []
+    if fit:
         parts.append(f"{summary['epochs']} epoch{'s' if summary['epochs'] != 1 else ''}")
-        if summary["samples"] is not None:
-            rate = summary["samples_per_s"]
-            parts.append(f"{summary['samples']} samples" + (f" ({_rate(rate)} samples/s)" if rate else ""))
+        parts += _samples_part(summary)
     parts.append(f"wall time {summary['wall_time_s']:.1f} s")
-    lines = [", ".join(parts), f"run directory: {summary['run_dir']}"]
-    if summary["stage"] == "fit":
+    lines = [", ".join(parts)]
+    if fit and summary["resumed_from"] is not None:  # the line above counts the whole training
+        lines[0] = f"whole training ({summary['runs']} runs): {lines[0]}"
+        own = summary["this_run"]
+        part = [f"{own['optimizer_steps']} optimizer steps", *_samples_part(own)]
+        part.append(f"wall time {own['wall_time_s']:.1f} s")
+        lines.append(f"this run: {', '.join(part)}; resumed from {summary['resumed_from']}")
+    lines.append(f"run directory: {summary['run_dir']}")
+    if fit:
         lines.append(f"model: {summary['model_dir'] or 'not saved (engine setting save_model: false)'}")
     return lines
+
+
+def _samples_part(counts: dict[str, Any]) -> list[str]:
+    if counts["samples"] is None:
+        return []
+    rate = counts["samples_per_s"]
+    return [f"{counts['samples']} samples" + (f" ({_rate(rate)} samples/s)" if rate else "")]
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

@@ -5,9 +5,13 @@ Method card
 - **What:** every value that reaches ``on_log`` (``train/loss``, ``val/*``, ``grad_norm``, ...) is also written to
   the trackers named in ``log_with``, at ``step = progress.global_step`` (optimizer steps); the run's resolved
   configuration is recorded once as the hyperparameters. ``metrics.jsonl`` is written by the engine either way.
+- **Resumed fits:** a fit resumed from a checkpoint first writes the values the runs it continues logged up to
+  the checkpoint (``on_fit_start``'s ``resumed``: the records its ``metrics.jsonl`` carries over), each at its
+  own step, so the new run's tracker log holds the whole curve, as its ``metrics.jsonl`` does.
 - **Mechanism:** ``Accelerator(log_with=[...])`` (the ``configure_accelerator`` fragment; fragments from several
   plugins are concatenated), ``accelerator.init_trackers(project_name, config=hparams, init_kwargs=...)`` in
-  ``on_run_start``, ``accelerator.log(metrics, step=...)`` in ``on_log``, and each started tracker's ``finish()``
+  ``on_run_start``, ``accelerator.log(metrics, step=...)`` in ``on_fit_start`` (the carried-over values of a resumed
+  fit) and ``on_log``, and each started tracker's ``finish()``
   in ``teardown``, which also runs after a failed run.
 - **Where:** the engine points ``accelerator.logging_dir`` at the run directory, so TensorBoard writes
   ``<run_dir>/<project_name>/events.out.tfevents.*`` and Aim its repository in ``<run_dir>``. Trackers that log to a
@@ -118,8 +122,8 @@ class TrackersConfig:
 class Trackers(torchloom.Plugin):
     """Write every logged value and the run's configuration to Accelerate's experiment trackers.
 
-    Implements ``configure_accelerator``, ``on_run_start``, ``on_log`` and ``teardown``. See the module docstring
-    and ``docs/plugins/trackers.md``.
+    Implements ``configure_accelerator``, ``on_run_start``, ``on_fit_start``, ``on_log`` and ``teardown``. See the
+    module docstring and ``docs/plugins/trackers.md``.
 
     Example:
 
@@ -151,6 +155,14 @@ class Trackers(torchloom.Plugin):
         # Recorded before the start, so that teardown finishes what a start that fails half-way did open.
         self._accelerator, self._first = accelerator, len(accelerator.trackers)
         accelerator.init_trackers(self.config.project_name, config=flatten_config(run_config), init_kwargs=init_kwargs)
+
+    @torchloom.hookimpl
+    def on_fit_start(self, accelerator, resumed) -> None:
+        if self._accelerator is None or resumed is None:  # not started here, or a fit from scratch
+            return
+        for step, _, values in resumed.logged():  # the earlier runs' values, up to the checkpoint, at their steps
+            if values:
+                accelerator.log(values, step=step)
 
     @torchloom.hookimpl
     def on_log(self, metrics: dict[str, float], progress, accelerator) -> None:

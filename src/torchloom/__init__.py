@@ -29,6 +29,7 @@ _EXPORTS = {
     "Monitor": "torchloom.monitor",
     "PluginInfo": "torchloom.plugins",
     "Progress": "torchloom.progress",
+    "Resumed": "torchloom._lineage",
     "RunFileError": "torchloom.errors",
     "SUMMARY_FILE": "torchloom._layout",
     "StepHooks": "torchloom.step",
@@ -49,6 +50,7 @@ _EXPORTS = {
     "installed_plugins": "torchloom.plugins",
     "json_dumps": "torchloom._strict_json",
     "load_plugin_state": "torchloom.state",
+    "prune_checkpoints": "torchloom.checkpoint",
     "RankAgreement": "torchloom._agreement",
     "rank_agreement": "torchloom._context",
     "request_stop": "torchloom._context",
@@ -72,6 +74,7 @@ __all__ = [
     "PluginInfo",
     "Progress",
     "RankAgreement",
+    "Resumed",
     "RunFileError",
     "StepHooks",
     "TaskError",
@@ -92,6 +95,7 @@ __all__ = [
     "installed_plugins",
     "json_dumps",
     "load_plugin_state",
+    "prune_checkpoints",
     "rank_agreement",
     "request_stop",
     "save_checkpoint",
@@ -121,10 +125,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
     from torchloom._layout import MODEL_DIR, SUMMARY_FILE
+    from torchloom._lineage import Resumed
     from torchloom._memory_plan import estimate_memory
     from torchloom._names import INTERNAL_PREFIX
     from torchloom._strict_json import json_dumps
-    from torchloom.checkpoint import delete_checkpoint
+    from torchloom.checkpoint import delete_checkpoint, prune_checkpoints
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule
     from torchloom.engine import Engine

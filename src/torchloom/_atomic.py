@@ -8,11 +8,14 @@ One convention names everything in progress, next to its final path:
   (`write_atomically`):
   whatever temporary files the writer makes itself (safetensors writes ``.tmpXXXXXX`` files) stay inside it, and
   the finished file is moved into place with one ``os.replace``;
-- ``.<name>.deleting-<pid>``: a directory renamed out of sight before it is removed (`delete_directory`).
+- ``.<name>.deleting-<pid>``: a directory renamed out of sight before it is removed (`delete_directory`);
+- ``.in-use.tmp-<pid>``: an empty file in a directory that process ``<pid>`` works in (a run directory while its
+  fit runs: `mark_in_use`), so that another process leaves what is in it alone (`in_use_elsewhere`).
 
 A process killed at any moment leaves the old content or the new one under the final name, and at most one such
 temporary entry, which `remove_orphans` removes once its process no longer runs (the next run in the same
-``output_dir`` does; so does the next save into a data cache).
+``output_dir`` does; so does the next save into a data cache). Whether a process runs is known on this machine
+only (`torchloom._liveness`): processes that share a directory from several machines are not told apart.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ __all__ = [
     "TEMPORARY",
     "atomic_directory",
     "delete_directory",
+    "in_use_elsewhere",
+    "mark_in_use",
     "remove_orphans",
     "temporary_path",
     "write_atomically",
@@ -39,6 +44,8 @@ __all__ = [
 
 #: The name of an entry in progress: ``group(1)`` the final name, ``group(2)`` the writing process.
 TEMPORARY = re.compile(r"\.(.+)\.(?:tmp|deleting)-(\d+)(?:-[0-9a-f]{8})?")
+#: The name `mark_in_use` marks a directory with, as `temporary_path` spells it: ``.in-use.tmp-<pid>``.
+_IN_USE = "in-use"
 
 
 def temporary_path(path: str | os.PathLike[str], pid: int | None = None, unique: bool = False) -> Path:
@@ -114,6 +121,27 @@ def delete_directory(path: str | os.PathLike[str]) -> None:
     hidden = final.parent / f".{final.name}.deleting-{os.getpid()}"
     os.rename(final, hidden)
     shutil.rmtree(hidden)
+
+
+def mark_in_use(directory: str | os.PathLike[str], in_use: bool = True) -> None:
+    """Mark ``directory`` as in use by this process (``in_use=False``: no longer): the empty file
+    ``.in-use.tmp-<pid>`` in it. A process killed before it unmarks leaves the file, which `remove_orphans`
+    removes (and `in_use_elsewhere` ignores) once the process no longer runs."""
+    marker = temporary_path(Path(directory) / _IN_USE)
+    if in_use:
+        marker.touch()
+    else:
+        marker.unlink(missing_ok=True)
+
+
+def in_use_elsewhere(directory: str | os.PathLike[str]) -> bool:
+    """Whether another process that still runs marked ``directory`` in use (`mark_in_use`)."""
+    root = Path(directory)
+    for entry in root.glob(f".{_IN_USE}.tmp-*") if root.is_dir() else ():
+        match = TEMPORARY.fullmatch(entry.name)
+        if match is not None and int(match.group(2)) != os.getpid() and pid_alive(int(match.group(2))):
+            return True
+    return False
 
 
 def remove_orphans(folder: str | os.PathLike[str]) -> list[str]:

@@ -1,9 +1,9 @@
 """`inspect_path`: what a checkpoint, a run directory or an exported model holds, read from JSON and headers only.
 
 Nothing is loaded that could run code: the manifest, ``config.yaml`` (safe YAML), ``summary.json``,
-``metrics.jsonl``, the model card and ``config.json`` are data, and of the weights only the safetensors headers
-(their JSON) are read. No pickle (``optimizer.bin``, the random states) is opened, and no file is hashed: loading
-a checkpoint (``fit(ckpt_path=...)``, ``predict(ckpt_path=...)``) checks the hashes.
+``resumed_from.json``, ``metrics.jsonl``, the model card and ``config.json`` are data, and of the weights only the
+safetensors headers (their JSON) are read. No pickle (``optimizer.bin``, the random states) is opened, and no file
+is hashed: loading a checkpoint (``fit(ckpt_path=...)``, ``predict(ckpt_path=...)``) checks the hashes.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torchloom._export import (
     weight_files,
 )
 from torchloom._layout import CHECKPOINTS_DIR, MODEL_DIR, SUMMARY_FILE, is_run_dir, run_directories
+from torchloom._lineage import read_chain
 from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest
 from torchloom.errors import ConfigError
 
@@ -49,7 +50,10 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
     - ``global_step``, ``epoch`` (0-based, as in ``metrics.jsonl``), ``metrics`` (the latest value of each
       logged name; non-finite values as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
     - ``checkpoints``: a run's complete checkpoints, oldest first (``path``, ``global_step``, ``epoch``);
-      ``model_dir``: a run's exported model; ``size_bytes``: a checkpoint's files, all together.
+      ``model_dir``: a run's exported model; ``size_bytes``: a checkpoint's files, all together;
+    - ``resumed_from``: the runs a resumed run continues (a checkpoint: that its run continued), oldest first,
+      each ``run_dir``, ``checkpoint`` (the one the next run resumed from) and ``global_step``; ``None`` when it
+      did not resume (or for an exported model).
 
     Args:
         path (`str` or `os.PathLike`): a checkpoint (a directory with ``manifest.json``); a run directory
@@ -101,6 +105,7 @@ def _empty(root: Path, kind: str) -> dict[str, Any]:
         "checkpoints": None,
         "model_dir": None,
         "size_bytes": None,
+        "resumed_from": None,
     }
 
 
@@ -122,6 +127,9 @@ def _checkpoint(root: Path) -> dict[str, Any]:
         size_bytes=sum(int(f.get("bytes", 0)) for f in (manifest.get("files") or {}).values())
         + (root / MANIFEST).stat().st_size,
     )
+    chain = (manifest.get("training") or {}).get("resumed_from")
+    if isinstance(chain, list) and chain:
+        info["resumed_from"] = chain
     if root.parent.name == CHECKPOINTS_DIR:  # inside a run directory: its config names every plugin
         info["plugins"] = (_read_yaml(root.parent.parent / "config.yaml") or {}).get("plugins")
     return info
@@ -172,6 +180,7 @@ def _run(root: Path) -> dict[str, Any]:
         plugins=config.get("plugins"),
         checkpoints=checkpoints,
         model_dir=str(model_dir) if is_exported_model(model_dir) else None,
+        resumed_from=read_chain(root),
     )
     records = _read_records(root / "metrics.jsonl")
     if records:

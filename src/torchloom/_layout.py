@@ -13,6 +13,7 @@ __all__ = [
     "LATEST",
     "MODEL_CARD",
     "MODEL_DIR",
+    "RESUMED_FILE",
     "RUN_DIR",
     "RUN_FILES",
     "SUMMARY_FILE",
@@ -32,6 +33,10 @@ setting ``save_model: true``); ``predict(ckpt_path=<run_dir>)`` and ``torchloom 
 SUMMARY_FILE = "summary.json"
 """The file of a run directory with each logged value's last and best value and the run's timings, written at the
 end of a completed ``fit`` or ``validate`` (by the ``progress`` plugin); ``torchloom inspect`` reads it."""
+RESUMED_FILE = "resumed_from.json"
+"""The file of a resumed fit's run directory that names what it continues: the checkpoint, the chain of runs before
+it (oldest first) and what was carried over from them (written by the engine when the fit resumes); ``torchloom
+inspect`` reads it."""
 #: What a run directory holds from the moment its run started (at least one of them).
 RUN_FILES = ("config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)
 #: The model card's file name, in the exported model's directory (a run's ``model/``).

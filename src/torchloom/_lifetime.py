@@ -17,7 +17,7 @@ import torch
 
 from torchloom._accelerator import build_accelerator, note_run_failed
 from torchloom._default_step import DefaultTrainStep
-from torchloom._runfiles import MetricsFile, create_run_dir, discard_run_dir
+from torchloom._runfiles import MetricsFile, create_run_dir, discard_run_dir, release_run_dir
 from torchloom._setup import Run, engine_relay, prepare_run, reuse_run
 from torchloom._threads import apply_num_threads
 
@@ -56,7 +56,8 @@ class RunStarter:
         accelerator, run_dir = (run.accelerator if run is not None else None), None
         try:
             accelerator = accelerator or build_accelerator(relay, cfg)
-            run_dir = create_run_dir(cfg.output_dir, accelerator)  # before any data or model is built
+            # before any data or model is built; a fit's is marked in use while it runs (its checkpoints are kept)
+            run_dir = create_run_dir(cfg.output_dir, accelerator, in_use=stage == "fit")
             self._metrics_file.start(os.path.join(run_dir, "metrics.jsonl"))
             project = accelerator.project_configuration  # Accelerate's trackers write inside the run directory
             project.project_dir = project.logging_dir = run_dir
@@ -103,8 +104,10 @@ class RunStarter:
             self.end(run, stage, error)
 
     def end(self, run: Run, stage: str, error: BaseException | None, failure: BaseException | None = None) -> None:
-        """Fire ``teardown``; raise a clean-up failure of a call that itself succeeded (``error`` is ``None``)."""
+        """Fire ``teardown``, then release the run directory; raise a clean-up failure of a call that itself
+        succeeded (``error`` is ``None``)."""
         failure = run.relay.call_cleanup("teardown", failure or error, accelerator=run.accelerator, stage=stage)
+        release_run_dir(run.run_dir, run.accelerator)
         self._restore_threads()
         if failure is not None and failure is not error:
             raise failure

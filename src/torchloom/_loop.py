@@ -9,11 +9,13 @@ the state once per micro-batch and once per optimizer step.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Any, NamedTuple
 
 import torch
 from accelerate.data_loader import get_sampler
+from accelerate.utils import find_batch_size
 
 from torchloom._accelerator import note_run_failed
 from torchloom._context import RunContext, activate
@@ -22,12 +24,13 @@ from torchloom._evaluation import validation_pass
 from torchloom._fit_state import FitState
 from torchloom._guards import NEGATIVE_ITEMS, check_same_length, check_step_outputs, check_training, stop_iteration
 from torchloom._layout import CHECKPOINTS_DIR
+from torchloom._lineage import Resumed, read_resumed, training_record, write_resumed
 from torchloom._logbuffer import WEIGHT_PREFIX
 from torchloom._random_states import set_random_states
 from torchloom._runfiles import finish_fit
 from torchloom._setup import sanity_check
 from torchloom.checkpoint import load_checkpoint, write_checkpoint
-from torchloom.errors import ConfigError
+from torchloom.errors import ConfigError, RunFileError
 from torchloom.step import StepHooks
 
 __all__ = ["FitLoop", "Start", "data_generators"]
@@ -50,11 +53,24 @@ class FitLoop:
         state (`FitState`): the fit's counters and positions; only this object writes them.
         context (`RunContext`): what the fit exposes ambiently (its ``saver`` is `save_checkpoint`).
         hooks (`StepHooks`): what ``run_train_step`` implementations receive.
+        resumed (`torchloom.Resumed` or ``None``): what the fit continues, once `resume` loaded a checkpoint.
+
+    ``started``: when the fit call started (``time.perf_counter()``; by default, now): its wall time counts from
+    there.
     """
 
-    def __init__(self, config: Any, run: Any, task: Any, logs: Any, plugins: list[Any]) -> None:
+    def __init__(
+        self, config: Any, run: Any, task: Any, logs: Any, plugins: list[Any], started: float | None = None
+    ) -> None:
         self.config, self.run, self.task, self.logs, self.plugins = config, run, task, logs, plugins
         self.state = FitState()
+        self.resumed: Resumed | None = None
+        # This run's part of the whole training, for the next resume (a checkpoint's manifest): wall and training
+        # clocks, validation time, and the main process's samples (None once a batch had no size).
+        self._started = time.perf_counter() if started is None else started
+        self._train_start: float | None = None
+        self._val_time = 0.0
+        self._samples: int | None = 0 if run.accelerator.is_main_process else None
         self.context = RunContext(logs, run.agreement, saver=self.save_checkpoint)
         self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement)
         # (epoch, batches done in it, epoch finished) while a checkpoint may be saved, else None
@@ -74,7 +90,8 @@ class FitLoop:
         try:
             with activate(self.context):
                 begin = {"optimizer": run.optimizer, "scheduler": run.scheduler, "log": self.logs.log}
-                run.relay.call("on_fit_start", **end, **begin, progress=self.state.progress())
+                start_args = {"progress": self.state.progress(), "resumed": self.resumed}
+                run.relay.call("on_fit_start", **end, **begin, **start_args)
                 sanity_check(self.task, run, self.config.num_sanity_val_steps, self.logs)
                 self.train(start)
                 self.end()
@@ -92,6 +109,7 @@ class FitLoop:
     def train(self, start: Start) -> None:
         """The epochs from ``start``, until ``max_epochs``, ``max_steps`` or a stop agreed over the processes."""
         skip, rng, generators = start.skip, start.random_states, start.generators
+        self._train_start = time.perf_counter()
         for epoch in range(start.epoch, self.config.max_epochs):
             if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
                 break  # a resumed fit that had finished
@@ -162,6 +180,8 @@ class FitLoop:
             run.relay.call("on_train_batch_start", batch=batch, accelerator=run.accelerator, progress=progress)
         outputs = self._train_step(batch, progress)
         self._count(self.hooks.take_outcome())
+        if self._samples is not None:  # the main process: the batch's size from its shape (no device sync)
+            self._samples = _batch_size(batch, self._samples)
         if self._relay_has["on_train_batch_end"]:
             run.relay.call(
                 "on_train_batch_end",
@@ -272,8 +292,12 @@ class FitLoop:
             return {}
         self.state.validated_at = self.state.global_step
         progress = self.state.progress()
-        validation_pass(self.task, self.run, self.logs, progress)
-        return self.logs.report(self.logs.val, self.run, progress)[0]
+        began = time.perf_counter()
+        try:
+            validation_pass(self.task, self.run, self.logs, progress)
+            return self.logs.report(self.logs.val, self.run, progress)[0]
+        finally:
+            self._val_time += time.perf_counter() - began
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -310,6 +334,7 @@ class FitLoop:
             engine_state={**state.state_dict(), "position": position(epoch, batches_done, finished, order)},
             metrics=self.logs.latest,
             agreement=run.agreement,
+            training=self._training(),
             process_state={
                 **state.process_state_dict(),
                 "epoch_generators": generators,
@@ -317,15 +342,27 @@ class FitLoop:
             },
         )
 
+    def _training(self) -> dict[str, Any]:
+        """The whole training up to now, as a checkpoint's manifest records it (`training_record`)."""
+        now, acc = time.perf_counter(), self.run.accelerator
+        trained = 0.0 if self._train_start is None else max(now - self._train_start - self._val_time, 0.0)
+        samples = None if self._samples is None else self._samples * acc.num_processes
+        return training_record(self.resumed, len(self.logs.history), samples, trained, now - self._started)
+
     def resume(self, path: str, reset_optimizer: bool) -> Start:
         """Load the checkpoint at ``path`` into the prepared run and this loop's state; return where to start.
 
+        Also reads what the fit continues (`resumed`: the chain of runs, their records up to the checkpoint, the
+        whole training's totals) and, on the main process, writes its records at the top of this run's
+        ``metrics.jsonl`` and the chain to ``resumed_from.json`` (`torchloom._lineage`).
+
         Raises:
             CheckpointError: the checkpoint cannot continue this run (see `torchloom.checkpoint.load_checkpoint`).
+            RunFileError: on every process, when the main process cannot write those files.
         """
         run = self.run
         order = data_order(run.train_dataloader, run.accelerator.num_processes)
-        saved, _ = load_checkpoint(
+        saved, manifest = load_checkpoint(
             path,
             accelerator=run.accelerator,
             model=run.model,
@@ -347,7 +384,26 @@ class FitLoop:
         if seed is not None and hasattr(sampler, "initial_seed"):
             sampler.initial_seed = seed  # every later epoch is drawn as the checkpoint's run drew it
         epoch, skip = resume_point(saved["position"], order)
+        self.resumed = read_resumed(path, manifest, warn=run.accelerator.is_main_process)
+        failure = None
+        if run.accelerator.is_main_process:
+            try:
+                write_resumed(run.run_dir, self.resumed)
+            except RunFileError as exc:
+                failure = str(exc)
+        failure = run.agreement.first(failure)  # a failed write fails every process alike
+        if failure is not None:
+            raise RunFileError(failure)
         return Start(epoch, skip, saved["random_states"], saved["epoch_generators"])
+
+
+def _batch_size(batch: Any, counted: int) -> int | None:
+    """``counted`` plus the samples of ``batch`` (the first dimension of its first tensor, a shape read), or
+    ``None`` when the batch has no tensor with a batch dimension."""
+    try:
+        return counted + int(find_batch_size(batch))
+    except (TypeError, ValueError, IndexError):
+        return None
 
 
 def data_generators(loader: Any) -> dict[str, torch.Generator]:

@@ -20,7 +20,14 @@ import torch
 import yaml
 from accelerate.utils import broadcast_object_list
 
-from torchloom._atomic import atomic_directory, remove_orphans, temporary_path, write_atomically, write_failure
+from torchloom._atomic import (
+    atomic_directory,
+    mark_in_use,
+    remove_orphans,
+    temporary_path,
+    write_atomically,
+    write_failure,
+)
 from torchloom._export import MODEL_CARD, model_card
 from torchloom._guards import check_finite_parameters
 from torchloom._layout import CHECKPOINTS_DIR, LATEST, MODEL_DIR, RUN_DIR, run_directories
@@ -34,16 +41,19 @@ __all__ = [
     "create_run_dir",
     "discard_run_dir",
     "finish_fit",
+    "release_run_dir",
     "start_run_files",
     "write_model_card",
     "write_predictions",
 ]
 
 
-def create_run_dir(output_dir: str, accelerator: Any) -> str:
+def create_run_dir(output_dir: str, accelerator: Any, in_use: bool = False) -> str:
     """Create ``<output_dir>/version_N`` (the next free N) on the main process; return its path on every process.
 
-    Also removes the temporary files that a killed save left in ``output_dir`` (their process is gone).
+    Also removes the temporary files that a killed save left in ``output_dir`` (their process is gone). With
+    ``in_use`` (a fit) the directory is marked in use by the main process (`torchloom._atomic.mark_in_use`) until
+    `release_run_dir`: another fit in the same ``output_dir`` then deletes none of its checkpoints.
 
     Raises:
         RunFileError: on every process, when ``output_dir`` cannot be created or written (a file of that name,
@@ -53,6 +63,8 @@ def create_run_dir(output_dir: str, accelerator: Any) -> str:
     if accelerator.is_main_process:
         try:
             result[0] = _make_version_dir(output_dir)
+            if in_use:
+                mark_in_use(result[0])
         except OSError as exc:
             result[1] = f"cannot create a run directory in output_dir {output_dir!r}: {exc.strerror or exc}"
     if accelerator.num_processes > 1:
@@ -60,6 +72,13 @@ def create_run_dir(output_dir: str, accelerator: Any) -> str:
     if result[1] is not None:
         raise RunFileError(result[1])
     return result[0]
+
+
+def release_run_dir(run_dir: str, accelerator: Any) -> None:
+    """Remove the in-use mark of `create_run_dir` (main process; nothing when there is none)."""
+    if accelerator.is_main_process:
+        with contextlib.suppress(OSError):  # a directory removed meanwhile: nothing to release
+            mark_in_use(run_dir, in_use=False)
 
 
 def discard_run_dir(run_dir: str | None, accelerator: Any) -> None:

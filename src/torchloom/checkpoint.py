@@ -17,7 +17,9 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
   model's parameter names and shapes and its count of trainable parameters, the optimizer's class, the stateful
-  plugins, the logged values, and every file with its size and SHA-256.
+  plugins, the logged values, the whole training up to it (``training``: the ``metrics.jsonl`` records written,
+  the samples, the training and wall time, the runs its run continued; see `torchloom._lineage`), and every file
+  with its size and SHA-256.
 
 Atomic: every process writes into ``.step-00000120.tmp-<pid>`` next to the final name; when all are done the
 main process writes the manifest and renames the directory into place in one ``os.rename``. A process killed
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -47,6 +50,7 @@ from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
 from torchloom._random_states import random_states, set_random_states
 from torchloom._strict_json import json_dumps
 from torchloom.errors import CheckpointError, RunFileError
+from torchloom.monitor import Monitor
 from torchloom.state import _stateful, load_plugin_state, save_plugin_state
 
 __all__ = [
@@ -55,6 +59,7 @@ __all__ = [
     "delete_checkpoint",
     "find_checkpoint",
     "list_checkpoints",
+    "prune_checkpoints",
     "read_manifest",
     "write_checkpoint",
 ]
@@ -91,12 +96,15 @@ def write_checkpoint(
     metrics: Mapping[str, float],
     agreement: Any,
     process_state: dict[str, Any] | None = None,
+    training: Mapping[str, Any] | None = None,
 ) -> str:
     """Write a checkpoint into ``directory`` atomically (every process calls this); return its path.
 
     ``engine_state`` is the main process's; ``process_state`` (each process's own: its partial log sums, its
     data generators) is written by every process, with its random states (`random_states`), to
     ``engine/process_<rank>/``, and `load_checkpoint` merges it into the engine state of the same process.
+    ``training`` (the main process's, `torchloom._lineage.training_record`) is the manifest's ``training``: the
+    whole training up to the checkpoint, which a resumed fit carries over.
 
     Raises:
         CheckpointError: ``directory`` exists.
@@ -117,7 +125,7 @@ def write_checkpoint(
         failure = agreement.first(_write_parts(tmp, accelerator, plugins, scheduler, engine_state, own_state))
         if failure is None and main:  # every process's files are complete
             try:
-                manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics)
+                manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics, training)
                 (tmp / MANIFEST).write_text(json_dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
                 _fsync_tree(tmp)
                 os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
@@ -175,6 +183,7 @@ def _manifest(
     plugins: Iterable[Any],
     engine_state: dict[str, Any],
     metrics: Mapping[str, float],
+    training: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     files = {
         path.relative_to(root).as_posix(): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
@@ -203,6 +212,7 @@ def _manifest(
         "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
         "plugins": sorted(p.stem for p in (root / "plugins").glob("*.json")) if (root / "plugins").is_dir() else [],
         "metrics": {k: v for k, v in metrics.items()},
+        "training": dict(training or {}),
         "files": files,
     }
 
@@ -294,20 +304,23 @@ def list_checkpoints(path: str | os.PathLike[str]) -> list[str]:
     """
     root = Path(path)
     runs = [root] if (root / CHECKPOINTS_DIR).is_dir() else run_directories(root)
-    found: list[str] = []
-    for run in runs:
-        entries = []
-        for candidate in (run / CHECKPOINTS_DIR).glob("*") if (run / CHECKPOINTS_DIR).is_dir() else ():
-            if candidate.name.startswith(".") or not (candidate / MANIFEST).is_file():
-                continue
-            try:
-                manifest = read_manifest(candidate)
-            except CheckpointError:
-                continue
-            position = manifest.get("position") or {}
-            entries.append((manifest.get("global_step", -1), bool(position.get("epoch_finished")), str(candidate)))
-        found += [path for *_, path in sorted(entries)]
-    return found
+    return [str(candidate) for run in runs for candidate, _ in _run_checkpoints(run)]
+
+
+def _run_checkpoints(run: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The complete checkpoints of the run directory ``run`` with their manifests, in `list_checkpoints`' order."""
+    entries = []
+    for candidate in (run / CHECKPOINTS_DIR).glob("*") if (run / CHECKPOINTS_DIR).is_dir() else ():
+        if candidate.name.startswith(".") or not (candidate / MANIFEST).is_file():
+            continue
+        try:
+            manifest = read_manifest(candidate)
+        except CheckpointError:
+            continue
+        position = manifest.get("position") or {}
+        entries.append((manifest.get("global_step", -1), bool(position.get("epoch_finished")), candidate, manifest))
+    entries.sort(key=lambda entry: entry[:3])
+    return [(candidate, manifest) for *_, candidate, manifest in entries]
 
 
 def find_checkpoint(path: str | os.PathLike[str]) -> str:
@@ -550,6 +563,64 @@ def delete_checkpoint(directory: str | os.PathLike[str]) -> None:
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"delete_checkpoint({str(path)!r}): not a checkpoint (no {MANIFEST}); nothing deleted")
     atomic.delete_directory(path)
+
+
+def prune_checkpoints(
+    output_dir: str | os.PathLike[str],
+    keep: int,
+    *,
+    spare: Iterable[str | os.PathLike[str]] = (),
+    monitor: str | None = None,
+    mode: str = "min",
+    keep_best: int = 1,
+) -> list[str]:
+    """Delete the oldest complete checkpoints of the run directories of ``output_dir`` (its ``version_N``, as
+    `list_checkpoints` orders them: by run, then by step) beyond the newest ``keep``. Call it on the main process
+    only. Return the checkpoints deleted, oldest first.
+
+    Never deleted, whatever their age: the checkpoints named in ``spare`` (the one a fit resumed from, the best ones
+    it keeps); with ``monitor``, the ``keep_best`` best by the value of ``monitor`` each manifest recorded
+    (``mode`` ``"min"`` or ``"max"``; NaN is never the best, an earlier checkpoint wins a tie); and every checkpoint
+    of a run directory that another running process marked in use (a fit still running there: see
+    `torchloom._atomic.mark_in_use`). Nothing outside ``output_dir``'s own run directories is touched (a
+    ``version_N`` that is a link to elsewhere is left alone). Each deletion is `delete_checkpoint`'s: renamed out
+    of sight, then removed; one that another process deleted first is skipped.
+
+    Raises:
+        ValueError: ``keep`` or ``keep_best`` below 1, or an unknown ``mode``.
+        OSError: a checkpoint cannot be renamed or removed.
+    """
+    if keep < 1 or keep_best < 1 or mode not in Monitor.MODES:
+        raise ValueError(f"prune_checkpoints: keep={keep!r}, keep_best={keep_best!r}, mode={mode!r}")
+    root = Path(output_dir).resolve()
+    runs = [run for run in run_directories(root) if not run.is_symlink() and run.resolve().parent == root]
+    found = [  # a link to a checkpoint elsewhere (the checkpoint, or its checkpoints/ folder) is not this output_dir's
+        (candidate, manifest, run)
+        for run in runs
+        for candidate, manifest in _run_checkpoints(run)
+        if not candidate.is_symlink() and candidate.resolve() == run / CHECKPOINTS_DIR / candidate.name
+    ]
+    kept = {candidate for candidate, _, _ in found[-keep:]}
+    kept |= {Path(path).resolve() for path in spare}
+    if monitor is not None:
+        scored = []
+        for candidate, manifest, _ in found:
+            value = (manifest.get("metrics") or {}).get(monitor)
+            if isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value):
+                scored.append((float(value), candidate))
+        scored.sort(key=lambda entry: entry[0], reverse=mode == "max")  # stable: the earlier one first on a tie
+        kept |= {candidate for _, candidate in scored[:keep_best]}
+    busy = {run for run in runs if atomic.in_use_elsewhere(run)}
+    deleted = []
+    for candidate, _, run in found:
+        if candidate in kept or run in busy:
+            continue
+        try:
+            delete_checkpoint(candidate)
+        except (CheckpointError, FileNotFoundError):  # deleted by another process meanwhile
+            continue
+        deleted.append(str(candidate))
+    return deleted
 
 
 def _sha256(path: Path) -> str:

@@ -9,6 +9,7 @@ in ``_evaluation``, logged values in ``_logging``, run files in ``_runfiles``, c
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from accelerate import Accelerator
@@ -132,7 +133,9 @@ class Engine:
                 `torchloom.checkpoint.find_checkpoint`: a checkpoint, a run directory or an ``output_dir``, whose
                 latest checkpoint is taken). The model, optimizer, scheduler, loss scaler, random states, plugin
                 states, counters and data position are restored; the fit goes on from the next batch, in a new run
-                directory, exactly as if it had never stopped.
+                directory, exactly as if it had never stopped. That directory's ``metrics.jsonl`` starts with the
+                records of the runs it continues up to the checkpoint (marked ``carried_over_from``), and its
+                ``resumed_from.json`` names them (see `torchloom.Resumed`).
             reset_optimizer (`bool`, defaults to False): with ``ckpt_path``, start the optimizer with fresh state
                 (required when its class changed; a warning says so).
 
@@ -144,11 +147,12 @@ class Engine:
         """
         from torchloom.checkpoint import find_checkpoint
 
+        started = time.perf_counter()  # the fit's wall time, as the next resume carries it over
         self.resumed_from = find_checkpoint(ckpt_path) if ckpt_path is not None else None
         run = self._starter.start(
             task, "fit", datamodule, train_dataloader=train_dataloader, val_dataloader=val_dataloader
         )
-        loop = FitLoop(self.config, run, task, self.logs, self.plugins)
+        loop = FitLoop(self.config, run, task, self.logs, self.plugins, started)
         self._state = loop.state
         path = self.resumed_from
         start = self._starter.set_up(run, "fit", loop.resume, path, reset_optimizer) if path else Start()

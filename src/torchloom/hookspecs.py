@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
+    from torchloom._lineage import Resumed
     from torchloom.config import EngineConfig
     from torchloom.module import TaskModule
     from torchloom.progress import Progress
@@ -221,18 +222,23 @@ def on_fit_start(
     scheduler: Any,
     progress: Progress,
     log: LogFn,
+    resumed: Resumed | None,
 ) -> None:
     """Called when training is about to start, after everything went through ``accelerator.prepare``.
 
-    **Fires:** once per ``fit``, on every rank, before the first epoch.
+    **Fires:** once per ``fit``, on every rank, before the first epoch; in a resumed fit, after the checkpoint
+    was loaded.
 
     :param accelerator: the run's Accelerator.
     :param task: the user's task.
     :param model: the prepared (possibly DDP-wrapped) model.
     :param optimizer: the prepared optimizer (`accelerate.optimizer.AcceleratedOptimizer`).
     :param scheduler: the learning-rate scheduler, or ``None``.
-    :param progress: counters at the start (all zero).
+    :param progress: counters at the start (all zero; a resumed fit's, as its checkpoint saved them).
     :param log: buffers a value for logging; see `TaskModule.log`.
+    :param resumed: what a resumed fit continues (`torchloom.Resumed`: the chain of runs, the values they
+        logged up to the checkpoint, the whole training's samples and times); ``None`` when the fit starts from
+        scratch. Write the earlier values to a tracker here (the ``trackers`` plugin does).
 
     **Example:**
 

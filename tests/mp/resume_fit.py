@@ -302,8 +302,16 @@ def snapshot(engine: torchloom.Engine) -> dict[str, Any]:
     }
 
 
+def metrics_file(engine: torchloom.Engine) -> list[dict[str, Any]]:
+    """The records of the engine's last run's ``metrics.jsonl`` (the main process wrote it; every process reads)."""
+    assert engine.run_dir is not None
+    return [json.loads(line) for line in (Path(engine.run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def record(a: Run, b: Run, c: Run) -> dict[str, Any]:
-    """What a test compares, as JSON: A's and B+C's ids, step records and history, A's and C's snapshots."""
+    """What a test compares, as JSON: A's and B+C's ids, step records and history, A's and C's snapshots, and A's
+    and C's ``metrics.jsonl`` (C's starts with B's records, carried over: ``c_carried`` counts those marked)."""
+    c_file = metrics_file(c.engine)
     return {
         "a_ids": a.probe.ids,
         "bc_ids": b.probe.ids + c.probe.ids,
@@ -315,6 +323,11 @@ def record(a: Run, b: Run, c: Run) -> dict[str, Any]:
         "c": snapshot(c.engine),
         "b_global_step": b.engine.progress.global_step,
         "checkpoint": b.checkpoint,
+        "a_file": metrics_file(a.engine),
+        "b_file": metrics_file(b.engine),
+        "c_file": [{k: v for k, v in r.items() if k != "carried_over_from"} for r in c_file],
+        "c_carried": [r.get("carried_over_from") for r in c_file],
+        "b_run_dir": b.engine.run_dir,
     }
 
 

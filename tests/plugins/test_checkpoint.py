@@ -331,8 +331,12 @@ def test_sigterm_saves_exits_143_and_resume_ends_where_an_uninterrupted_fit_ends
 
     uninterrupted = records(tmp_path / "whole" / "version_0")
     # Steps 1..11 (and the validation at the end of epoch 0, step 8), then 12..16 and the last validation: identical.
+    # The resumed run's file is complete: the first run's records, carried over (marked), then its own.
     assert records(tmp_path / "run" / "version_0") == [r for r in uninterrupted if r["step"] <= 11]
-    assert records(tmp_path / "run" / "version_1") == [r for r in uninterrupted if r["step"] > 11]
+    resumed_records = records(tmp_path / "run" / "version_1")
+    carried = [r.pop("carried_over_from") for r in resumed_records if "carried_over_from" in r]
+    assert carried == [str(tmp_path / "run" / "version_0")] * len([r for r in uninterrupted if r["step"] <= 11])
+    assert resumed_records == uninterrupted
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):

@@ -67,11 +67,24 @@ def _inspection_lines(info: Mapping[str, Any]) -> list[tuple[str, str]]:
     if info["checkpoints"] is not None:
         found = [f"{c['path']}  (step {c['global_step']}, epoch {c['epoch']})" for c in info["checkpoints"]]
         rows += [("checkpoints" if i == 0 else "", line) for i, line in enumerate(found or ["(none)"])]
+    if info["resumed_from"]:  # the chain of runs it continues, oldest first
+        chain = [_link(link) for link in info["resumed_from"]]
+        rows += [("continues" if i == 0 else "", line) for i, line in enumerate(chain)]
     if info["kind"] == "run":
         rows.append(("model dir", info["model_dir"] or "(none: the fit saved no model)"))
     if info["size_bytes"] is not None:
         rows.append(("files", f"{_byte_count(info['size_bytes'])} in all (optimizer state included)"))
     return rows
+
+
+def _link(link: Mapping[str, Any]) -> str:
+    """One run of a resumed run's chain: ``runs/x/version_0 up to step 40 (checkpoint step-00000040)``."""
+    checkpoint = str(link["checkpoint"])
+    if link.get("run_dir") is None:  # a checkpoint outside a run directory
+        return f"{checkpoint} (step {link['global_step']})"
+    return (
+        f"{link['run_dir']} up to step {link['global_step']} (checkpoint {checkpoint.rstrip('/').rsplit('/', 1)[-1]})"
+    )
 
 
 def _amounts(row: Mapping[str, int]) -> str:
