@@ -167,6 +167,25 @@ def test_assistant_only_labels_are_the_assistant_replies_and_their_end_of_turn(t
     assert [r["labels"][1:] for r in unmasked.train_dataset] == [r["input_ids"][1:] for r in unmasked.train_dataset]
 
 
+def test_bos_starts_documents_and_prompts_where_the_tokenizer_has_one(tmp_path, chat_tokenizer) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_tokenizer)
+    tokenizer.bos_token = "<|im_start|>"
+    tokenizer.save_pretrained(tmp_path / "bos_tokenizer")
+    bos = tokenizer.bos_token_id
+    kwargs = dict(tokenizer=str(tmp_path / "bos_tokenizer"), max_length=64, cache_dir=tmp_path)
+    table = datasets.Dataset.from_dict({"text": ["the cat"], "prompt": ["a dog"], "completion": ["sat"]})
+    plain = tokenizer("the cat", add_special_tokens=False)["input_ids"]
+    for add_bos, start in ((True, [bos]), (False, [])):
+        docs = ready(LanguageModelingData(table, add_bos=add_bos, **kwargs))
+        assert docs.train_dataset[0]["input_ids"] == [*start, *plain, tokenizer.eos_token_id]
+        assert docs.train_dataset[0]["labels"][0] == -100
+        pair = ready(PromptCompletionData(table, add_bos=add_bos, **kwargs))
+        assert pair.train_dataset[0]["input_ids"][: len(start) + 1] == [*start, tokenizer.convert_tokens_to_ids("a")]
+    assert cache_key(**LanguageModelingData(table, add_bos=False, **kwargs).cache_settings()) != cache_key(
+        **LanguageModelingData(table, **kwargs).cache_settings()
+    )
+
+
 def test_language_modelling_documents_and_blocks(tmp_path, chat_tokenizer) -> None:
     texts = ["the cat sat on the mat", "a big red dog ran", "then"]
     table = datasets.Dataset.from_dict({"text": texts})

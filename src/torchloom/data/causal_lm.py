@@ -68,6 +68,8 @@ class CausalLMData(TextData):
             ``position_ids`` restarting at every sequence; see `check_packed_attention` for the model side.
         append_eos (`bool`, defaults to True): end every sequence (a document, a completion) with the tokenizer's
             EOS token, where it has one (chat sequences end as the template renders them).
+        add_bos (`bool`, defaults to True): start every sequence (a document, a prompt) with the tokenizer's BOS
+            token, where it has one (Llama's and Mistral's do; chat sequences start as the template renders them).
         pad_to_multiple_of (`int`, *optional*): pad each batch's length up to a multiple of this.
         **settings: the settings of `CachedDataModule` (``batch_size``, ``shuffle``, ``cache_dir`` ...).
 
@@ -90,6 +92,7 @@ class CausalLMData(TextData):
         truncation: str = "error",
         packing: bool = False,
         append_eos: bool = True,
+        add_bos: bool = True,
         pad_to_multiple_of: int | None = None,
         **settings: Any,
     ) -> None:
@@ -102,13 +105,13 @@ class CausalLMData(TextData):
         valid = TRUNCATIONS if self.has_prompt else TRUNCATIONS[:3]
         if truncation not in valid:
             raise invalid("truncation", truncation, f"one of {', '.join(map(repr, valid))}", owner=owner)
-        for name, flag in (("packing", packing), ("append_eos", append_eos)):
+        for name, flag in (("packing", packing), ("append_eos", append_eos), ("add_bos", add_bos)):
             if not isinstance(flag, bool):
                 raise invalid(name, flag, "true or false", owner=owner)
         self.check_count("pad_to_multiple_of", pad_to_multiple_of, optional=True)
         super().__init__(train, validation, tokenizer=tokenizer, label_column=None, **settings)
         self.max_length, self.truncation, self.packing = max_length, truncation, packing
-        self.append_eos, self.pad_to_multiple_of = append_eos, pad_to_multiple_of
+        self.append_eos, self.add_bos, self.pad_to_multiple_of = append_eos, add_bos, pad_to_multiple_of
         self.overlong: dict[str, int] = {}
         self.packing_efficiency: dict[str, float] = {}
 
@@ -137,6 +140,11 @@ class CausalLMData(TextData):
         eos = self.tokenizer.eos_token_id
         return [eos] if self.append_eos and eos is not None else []
 
+    def bos(self) -> list[int]:
+        """The BOS token to start a sequence with, as a list (empty without one or with ``add_bos=False``)."""
+        bos = self.tokenizer.bos_token_id
+        return [bos] if self.add_bos and bos is not None else []
+
     def cache_settings(self) -> dict[str, Any]:
         """The raw tables, the tokenizer (`tokenizer_fingerprint`), the format's settings (columns, masks, the chat
         template), ``max_length``, truncation, packing and the library versions; its `cache_key` names the entry."""
@@ -149,6 +157,7 @@ class CausalLMData(TextData):
             "truncation": self.truncation,
             "packing": self.packing,
             "append_eos": self.append_eos,
+            "add_bos": self.add_bos,
             "versions": self.versions(),
         }
 
@@ -311,7 +320,7 @@ class LanguageModelingData(CausalLMData):
         return {"text_column": self.text_column, "concatenate": self.concatenate}
 
     def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
-        ids = self.tokens(self.text(row, self.text_column, index, name)) + self.eos()
+        ids = self.bos() + self.tokens(self.text(row, self.text_column, index, name)) + self.eos()
         return ids, list(ids), 0
 
     def sequences(self, split: str, table: datasets.Dataset) -> list[tuple[list[int], list[int], int]]:
@@ -329,7 +338,7 @@ class LanguageModelingData(CausalLMData):
 
 
 class PromptCompletionData(CausalLMData):
-    """Prompt / completion pairs: the sequence is the prompt's tokens then the completion's (and EOS).
+    """Prompt / completion pairs: the sequence is (BOS and) the prompt's tokens, then the completion's (and EOS).
 
     Args:
         prompt_column (`str`, defaults to ``"prompt"``), completion_column (`str`, defaults to ``"completion"``):
@@ -367,7 +376,7 @@ class PromptCompletionData(CausalLMData):
         return {"columns": [self.prompt_column, self.completion_column], "completion_only": self.completion_only}
 
     def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
-        prompt = self.tokens(self.text(row, self.prompt_column, index, name, allow_empty=True))
+        prompt = self.bos() + self.tokens(self.text(row, self.prompt_column, index, name, allow_empty=True))
         completion = self.tokens(self.text(row, self.completion_column, index, name)) + self.eos()
         masked = [IGNORE_INDEX] * len(prompt) if self.completion_only else list(prompt)
         return prompt + completion, masked + completion, len(prompt)
