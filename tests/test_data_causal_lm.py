@@ -519,3 +519,16 @@ def test_bad_input_is_one_clear_line_before_training(tmp_path, chat_tokenizer, m
 def test_bad_settings_are_refused_on_construction(make, match) -> None:
     with pytest.raises(torchloom.ConfigError, match=match):
         make()
+
+
+@pytest.mark.parametrize("cls", [LanguageModelingData, PromptCompletionData, ChatData])
+def test_a_config_file_sees_every_setting_of_the_chain(cls) -> None:
+    """jsonargparse follows ``**settings`` to the bases, so a config's ``init_args`` can set the shared settings."""
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "data")
+    config = parser.parse_args(
+        ["--data.train=t.jsonl", f"--data.tokenizer={MODEL_DIR}", "--data.batch_size=4", "--data.packing=false"]
+    )
+    assert config.data.batch_size == 4 and config.data.packing is False and config.data.truncation == "error"
+    assert {"max_length", "add_bos", "append_eos", "cache_dir", "shuffle"} <= set(vars(config.data))
