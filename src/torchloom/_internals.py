@@ -437,6 +437,11 @@ INTERNALS: tuple[Internal, ...] = (
         ("torchloom_plugins.grad_checkpoint",),
     ),
     Internal(
+        "transformers.configuration_utils.PreTrainedConfig._attn_implementation",
+        "the attention implementation a model runs with, named in check_packed_attention's error (packed data)",
+        ("torchloom.data.packing",),
+    ),
+    Internal(
         "transformers.trainer_pt_utils.AcceleratorConfig",
         "the defaults of TrainingArguments.accelerator_config, for convert-hf-args",
         ("torchloom._hf_args",),

@@ -83,6 +83,8 @@ def prepare_run(
     if val_dl is not None:
         check_validation_step(task)
     model = check_model(task.configure_model(), task)
+    if datamodule is not None and callable(getattr(datamodule, "check_model", None)):
+        datamodule.check_model(model)  # e.g. packed data and an attention that would mix its sequences
     task.model, task.accelerator = model, accelerator
     relay.call("configure_model", model=model, task=task, accelerator=accelerator)
 

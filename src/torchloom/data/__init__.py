@@ -1,4 +1,5 @@
-"""Data for torchloom runs: `DataModule`, its cached base, text, image and audio preprocessing, the cache.
+"""Data for torchloom runs: `DataModule`, its cached base, text (classification, causal LM), image and audio
+preprocessing, the cache.
 
 `DataModule` is imported with ``torchloom``; the preprocessing names load `datasets` and `transformers`, so
 they are imported on first use (``from torchloom.data import TextClassificationData``), not by ``import
@@ -36,6 +37,12 @@ if TYPE_CHECKING:
         default_cache_dir,
         fingerprint,
     )
+    from torchloom.data.causal_lm import (
+        CausalLMData,
+        ChatData,
+        LanguageModelingData,
+        PromptCompletionData,
+    )
     from torchloom.data.image import ImageClassificationData
     from torchloom.data.image_decoding import load_image
     from torchloom.data.image_folders import (
@@ -50,6 +57,12 @@ if TYPE_CHECKING:
         preprocess_images,
         random_crop,
         random_horizontal_flip,
+    )
+    from torchloom.data.packing import (
+        CausalLMCollator,
+        check_packed_attention,
+        count_loss_tokens,
+        pack_best_fit,
     )
     from torchloom.data.tables import (
         encode_labels,
@@ -77,6 +90,10 @@ _LAZY = {
     "audio_fingerprint": "torchloom.data.audio_folders",
     "read_audio_folder": "torchloom.data.audio_folders",
     "CachedDataModule": "torchloom.data.base",
+    "CausalLMData": "torchloom.data.causal_lm",
+    "ChatData": "torchloom.data.causal_lm",
+    "LanguageModelingData": "torchloom.data.causal_lm",
+    "PromptCompletionData": "torchloom.data.causal_lm",
     "DatasetCache": "torchloom.data.cache",
     "cache_key": "torchloom.data.cache",
     "default_cache_dir": "torchloom.data.cache",
@@ -96,6 +113,10 @@ _LAZY = {
     "read_table": "torchloom.data.tables",
     "require_column": "torchloom.data.tables",
     "resolve_label_names": "torchloom.data.tables",
+    "CausalLMCollator": "torchloom.data.packing",
+    "check_packed_attention": "torchloom.data.packing",
+    "count_loss_tokens": "torchloom.data.packing",
+    "pack_best_fit": "torchloom.data.packing",
     "TextClassificationData": "torchloom.data.text",
     "TextData": "torchloom.data.text",
     "load_tokenizer": "torchloom.data.text",
@@ -106,17 +127,24 @@ _LAZY = {
 __all__ = [
     "AudioClassificationData",
     "CachedDataModule",
+    "CausalLMCollator",
+    "CausalLMData",
+    "ChatData",
     "DataModule",
     "DatasetCache",
     "ImageAugmentation",
     "ImageClassificationData",
     "ImageTransform",
+    "LanguageModelingData",
     "LogMelSpectrogram",
+    "PromptCompletionData",
     "TextClassificationData",
     "TextData",
     "audio_fingerprint",
     "build_feature_extractor",
     "cache_key",
+    "check_packed_attention",
+    "count_loss_tokens",
     "default_cache_dir",
     "encode_labels",
     "extract_features",
@@ -128,6 +156,7 @@ __all__ = [
     "load_image",
     "load_image_processor",
     "load_tokenizer",
+    "pack_best_fit",
     "preprocess_images",
     "random_crop",
     "random_horizontal_flip",

@@ -21,6 +21,15 @@ class DataModule:
     def setup(self, stage: str) -> None:
         """Load what `prepare_data` cached. ``stage`` is ``"fit"``, ``"validate"`` or ``"predict"``."""
 
+    def check_model(self, model: Any) -> None:
+        """Refuse a model this data cannot be used with (e.g. attention that would mix packed sequences).
+
+        The engine calls it after ``configure_model``, before the model is prepared; the default accepts any.
+
+        Raises:
+            ConfigError: the model does not fit the data (says what to set instead).
+        """
+
     def train_dataloader(self) -> Any:
         """Return the training dataloader."""
         return None

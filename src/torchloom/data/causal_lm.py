@@ -1,0 +1,520 @@
+"""Causal-LM data on `CachedDataModule`: plain text, prompt / completion pairs and chat, with loss masks,
+explicit truncation and optional packing.
+
+Three data modules share one pipeline (`CausalLMData`): a subclass turns each raw row into ``input_ids`` and
+``labels`` (``-100`` where no loss is taken), the base fits the rows to ``max_length`` (``truncation``: refuse,
+drop or cut them, counted and logged once), packs them when ``packing=True`` (`pack_best_fit`) and stores them in
+the processed-dataset cache; batches come from `CausalLMCollator` with ``num_items``, the number of tokens the
+loss averages over (``labels[:, 1:] != -100``, after transformers' shift by one):
+
+- `LanguageModelingData`: a text column, one sequence per document, or (``concatenate=True``) every document
+  joined and cut into blocks of ``max_length``; every token but a sequence's first is a loss token;
+- `PromptCompletionData`: a prompt and a completion column; ``completion_only=True`` (default) takes the loss on
+  the completion only;
+- `ChatData`: a column of messages (``role``, ``content``) rendered with the tokenizer's chat template (or
+  ``chat_template``); ``assistant_only=True`` (default) takes the loss on the assistant messages only, found by
+  rendering the conversation prefix by prefix.
+
+A training step passes the batch without ``num_items`` to the model and returns the count, which the engine's
+logging and the ``grad_accum`` plugin's ``tokens`` normalisation use:
+
+.. code-block:: python
+
+    def training_step(self, batch, batch_idx):
+        num_items = batch.pop("num_items")
+        return {"loss": self.model(**batch).loss, "num_items": num_items}
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, ClassVar
+
+import datasets
+import jinja2
+
+from torchloom._settings import invalid
+from torchloom.data.cache import cache_key
+from torchloom.data.packing import IGNORE_INDEX, CausalLMCollator, check_packed_attention, pack_best_fit
+from torchloom.data.tables import require_column
+from torchloom.data.text import TextData, tokenizer_fingerprint
+from torchloom.errors import ConfigError
+
+__all__ = ["CausalLMData", "ChatData", "LanguageModelingData", "PromptCompletionData"]
+
+logger = logging.getLogger(__name__)
+
+TRUNCATIONS = ("error", "drop", "truncate_end", "truncate_prompt")
+ROLES = ("system", "user", "assistant")
+
+
+class CausalLMData(TextData):
+    """The pipeline of the causal-LM data modules: rows to token sequences, ``max_length``, packing, batches.
+
+    A subclass implements ``encode(row, index, name)``, returning ``(input_ids, labels, prompt_length)`` for one
+    raw row (``prompt_length``: how many leading tokens are prompt, which ``truncation="truncate_prompt"`` may
+    cut), and ``format_settings()``, its settings for the cache key.
+
+    Args:
+        train, validation: tables, as for `TextData` (a path, a `pandas.DataFrame`, a `datasets.Dataset`).
+        tokenizer (`str` or `os.PathLike`): a local model/tokenizer directory or a Hub id.
+        max_length (`int`, defaults to 512): the most tokens in a row (a packed row holds several sequences).
+        truncation (`str`, defaults to ``"error"``): a sequence longer than ``max_length``: ``"error"`` refuses it
+            (before training, naming the row), ``"drop"`` leaves it out, ``"truncate_end"`` cuts its end (never into
+            a prompt), ``"truncate_prompt"`` cuts the start of its prompt (prompt / completion data only). Dropped and
+            cut rows are counted and logged once per split, when the split is processed.
+        packing (`bool`, defaults to False): pack sequences into rows of ``max_length``, best-fit decreasing, with
+            ``position_ids`` restarting at every sequence; see `check_packed_attention` for the model side.
+        append_eos (`bool`, defaults to True): end every sequence (a document, a completion) with the tokenizer's
+            EOS token, where it has one (chat sequences end as the template renders them).
+        add_bos (`bool`, defaults to True): start every sequence (a document, a prompt) with the tokenizer's BOS
+            token, where it has one (Llama's and Mistral's do; chat sequences start as the template renders them).
+        pad_to_multiple_of (`int`, *optional*): pad each batch's length up to a multiple of this.
+        **settings: the settings of `CachedDataModule` (``batch_size``, ``shuffle``, ``cache_dir`` ...).
+
+    Attributes:
+        overlong (`dict[str, int]`): after processing, by split: the rows longer than ``max_length``.
+        packing_efficiency (`dict[str, float]`): after ``setup``, packed splits: real tokens / (rows x max_length).
+    """
+
+    kind: ClassVar[str] = "torchloom.data.causal_lm.CausalLMData"
+    #: Whether the rows have a prompt that ``truncation="truncate_prompt"`` may cut.
+    has_prompt: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        train: str | os.PathLike[str] | Any | None = None,
+        validation: str | os.PathLike[str] | Any | None = None,
+        *,
+        tokenizer: str | os.PathLike[str] | None = None,
+        max_length: int = 512,
+        truncation: str = "error",
+        packing: bool = False,
+        append_eos: bool = True,
+        add_bos: bool = True,
+        pad_to_multiple_of: int | None = None,
+        **settings: Any,
+    ) -> None:
+        owner = type(self).__name__
+        self.check_count("max_length", max_length)
+        if max_length < 2:
+            raise invalid(
+                "max_length", max_length, "an integer >= 2 (a loss token needs a token before it)", owner=owner
+            )
+        valid = TRUNCATIONS if self.has_prompt else TRUNCATIONS[:3]
+        if truncation not in valid:
+            raise invalid("truncation", truncation, f"one of {', '.join(map(repr, valid))}", owner=owner)
+        for name, flag in (("packing", packing), ("append_eos", append_eos), ("add_bos", add_bos)):
+            if not isinstance(flag, bool):
+                raise invalid(name, flag, "true or false", owner=owner)
+        self.check_count("pad_to_multiple_of", pad_to_multiple_of, optional=True)
+        super().__init__(train, validation, tokenizer=tokenizer, label_column=None, **settings)
+        self.max_length, self.truncation, self.packing = max_length, truncation, packing
+        self.append_eos, self.add_bos, self.pad_to_multiple_of = append_eos, add_bos, pad_to_multiple_of
+        self.overlong: dict[str, int] = {}
+        self.packing_efficiency: dict[str, float] = {}
+
+    # -------------------------------------------------------------------------------- what a subclass adds
+
+    def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
+        """Return ``(input_ids, labels, prompt_length)`` for one raw row (``labels[0]`` is set to -100 after)."""
+        raise NotImplementedError
+
+    def format_settings(self) -> dict[str, Any]:
+        """The subclass's settings for the cache key (columns, masks, template)."""
+        return {}
+
+    def required_columns(self) -> dict[str, str]:
+        """The columns every split must have, by the setting that names them."""
+        return {}
+
+    def sequences(self, split: str, table: datasets.Dataset) -> list[tuple[list[int], list[int], int]]:
+        """The encoded rows of ``split`` (`encode`), one sequence each; `LanguageModelingData` overrides it."""
+        return [self.encode(row, i, self.split_name(split)) for i, row in enumerate(table)]
+
+    # ----------------------------------------------------------------------------------------- the pipeline
+
+    def eos(self) -> list[int]:
+        """The EOS token to end a sequence with, as a list (empty without one or with ``append_eos=False``)."""
+        eos = self.tokenizer.eos_token_id
+        return [eos] if self.append_eos and eos is not None else []
+
+    def bos(self) -> list[int]:
+        """The BOS token to start a sequence with, as a list (empty without one or with ``add_bos=False``)."""
+        bos = self.tokenizer.bos_token_id
+        return [bos] if self.add_bos and bos is not None else []
+
+    def cache_settings(self) -> dict[str, Any]:
+        """The raw tables, the tokenizer (`tokenizer_fingerprint`), the format's settings (columns, masks, the chat
+        template), ``max_length``, truncation, packing and the library versions; its `cache_key` names the entry."""
+        return {
+            "kind": self.kind,
+            **self.source_settings(),
+            "tokenizer": tokenizer_fingerprint(self.tokenizer, self.tokenizer_revision),
+            **self.format_settings(),
+            "max_length": self.max_length,
+            "truncation": self.truncation,
+            "packing": self.packing,
+            "append_eos": self.append_eos,
+            "add_bos": self.add_bos,
+            "versions": self.versions(),
+        }
+
+    def preprocess(self, split: str, table: datasets.Dataset) -> datasets.Dataset:
+        """Encode, fit to ``max_length`` and (``packing``) pack the rows of ``split``."""
+        name = self.split_name(split)
+        for setting, column in self.required_columns().items():
+            require_column(table, column, setting, name)
+        fitted, overlong, longest = [], 0, 0
+        for index, (ids, labels, prompt) in enumerate(self.sequences(split, table)):
+            if len(ids) > self.max_length:
+                overlong, longest = overlong + 1, max(longest, len(ids))
+            row = self.fit(ids, labels, prompt, index, name)
+            if row is not None:
+                fitted.append(row)
+        self.overlong[split] = overlong
+        if overlong:
+            action = {
+                "drop": "dropped",
+                "truncate_end": "cut at the end",
+                "truncate_prompt": "cut at the prompt's start",
+            }
+            logger.warning(
+                "%s: %d of %d rows were longer than max_length=%d (the longest: %d tokens): %s (truncation=%r)",
+                name, overlong, len(table), self.max_length, longest, action[self.truncation], self.truncation,
+            )  # fmt: skip
+        if not fitted:
+            raise ConfigError(
+                f"{name}: no row is left (truncation={self.truncation!r}); raise max_length={self.max_length}"
+            )
+        if not self.packing:
+            columns: dict[str, list[Any]] = {"input_ids": [r[0] for r in fitted], "labels": [r[1] for r in fitted]}
+        else:
+            columns = {"input_ids": [], "labels": [], "position_ids": []}
+            for group in pack_best_fit([len(r[0]) for r in fitted], self.max_length):
+                columns["input_ids"].append([t for i in group for t in fitted[i][0]])
+                columns["labels"].append([t for i in group for t in fitted[i][1]])
+                columns["position_ids"].append([p for i in group for p in range(len(fitted[i][0]))])
+        columns["length"] = [len(ids) for ids in columns["input_ids"]]
+        return datasets.Dataset.from_dict(columns)
+
+    def fit(
+        self, ids: list[int], labels: list[int], prompt: int, index: int, name: str
+    ) -> tuple[list[int], list[int]] | None:
+        """One sequence fitted to ``max_length`` by ``truncation`` (``None``: dropped), its first label -100.
+
+        Raises:
+            ConfigError: ``truncation="error"`` and the row is too long; a prompt as long as ``max_length`` that
+                cannot be cut; a completion longer than ``max_length`` under ``truncate_prompt``; no loss token left.
+        """
+        n, limit = len(ids), self.max_length
+        if n > limit:
+            if self.truncation == "error":
+                options = "'drop', 'truncate_end'" + (" or 'truncate_prompt'" if self.has_prompt else "")
+                raise ConfigError(
+                    f"{name}: row {index} has {n} tokens, more than max_length={limit}; raise max_length or set "
+                    f"truncation to {options}"
+                )
+            if self.truncation == "drop":
+                return None
+            if self.truncation == "truncate_end":
+                if prompt >= limit:
+                    raise ConfigError(
+                        f"{name}: max_length={limit} is below the prompt of row {index} ({prompt} tokens), and "
+                        "truncation='truncate_end' does not cut prompts, so its completion would be empty; raise "
+                        "max_length, or set truncation='truncate_prompt' or 'drop'"
+                    )
+                ids, labels = ids[:limit], labels[:limit]
+            else:  # truncate_prompt
+                if n - prompt >= limit:
+                    raise ConfigError(
+                        f"{name}: the completion of row {index} has {n - prompt} tokens, leaving no room for a prompt "
+                        f"token within max_length={limit}; raise max_length, or set truncation='drop' or "
+                        "'truncate_end'"
+                    )
+                ids, labels = ids[n - limit :], labels[n - limit :]
+        labels = [IGNORE_INDEX, *labels[1:]]
+        if all(label == IGNORE_INDEX for label in labels):
+            cut = f" after truncation to max_length={limit}" if n > limit else ""
+            raise ConfigError(f"{name}: row {index} has no loss token{cut} (an empty completion or reply?)")
+        return ids, labels
+
+    def setup(self, stage: str) -> None:
+        """Load the splits (`CachedDataModule.setup`); for packed splits, log the packing efficiency."""
+        super().setup(stage)
+        for split, dataset in (("train", self.train_dataset), ("validation", self.val_dataset)):
+            if self.packing and dataset is not None and len(dataset):
+                real = sum(dataset["length"])
+                self.packing_efficiency[split] = efficiency = real / (len(dataset) * self.max_length)
+                logger.info(
+                    "%s: packing: %d tokens in %d rows of max_length=%d: efficiency %.1f%% (real / computed tokens)",
+                    self.split_name(split), real, len(dataset), self.max_length, 100 * efficiency,
+                )  # fmt: skip
+
+    def collator(self) -> CausalLMCollator:
+        """The batch collator (`CausalLMCollator`), padding with the tokenizer's pad (else EOS, else 0) token."""
+        tokenizer = self.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return CausalLMCollator(pad if pad is not None else 0, self.pad_to_multiple_of)
+
+    def collate_fn(self, split: str) -> CausalLMCollator:
+        """`collator`, for training and validation alike."""
+        return self.collator()
+
+    def check_model(self, model: Any) -> None:
+        """With ``packing=True``, refuse a model whose attention would mix packed sequences
+        (`check_packed_attention`); the engine calls it after ``configure_model``. Does nothing without packing."""
+        if self.packing:
+            check_packed_attention(model)
+
+    def text(self, row: dict[str, Any], column: str, index: int, name: str, allow_empty: bool = False) -> str:
+        """The string in ``row[column]``, refusing a missing, non-string or (unless ``allow_empty``) empty value."""
+        value = row[column]
+        if not isinstance(value, str) or (not value and not allow_empty):
+            what = "empty" if value == "" else f"{type(value).__name__} {value!r}"
+            raise ConfigError(f"{name}: column {column!r} in row {index} is {what}; expected a non-empty string")
+        return value
+
+    def tokens(self, text: str) -> list[int]:
+        """``text`` tokenised without special tokens."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class LanguageModelingData(CausalLMData):
+    """Plain text for language modelling: every token of a document (but its first) is a loss token.
+
+    Args:
+        text_column (`str`, defaults to ``"text"``): the documents.
+        concatenate (`bool`, defaults to False): join every document (each ended by EOS) and cut the stream into
+            blocks of ``max_length`` tokens; the last, partial block is left out (logged). Without it, each document
+            is a sequence, fitted by ``truncation``.
+        **settings: those of `CausalLMData` and `CachedDataModule`.
+    """
+
+    kind = "torchloom.data.causal_lm.LanguageModelingData"
+
+    def __init__(
+        self,
+        train: Any = None,
+        validation: Any = None,
+        *,
+        text_column: str = "text",
+        concatenate: bool = False,
+        **settings: Any,
+    ) -> None:
+        self.check_column("text_column", text_column)
+        if not isinstance(concatenate, bool):
+            raise invalid("concatenate", concatenate, "true or false", owner=type(self).__name__)
+        if concatenate and settings.get("packing"):
+            raise invalid(
+                "packing", True, "false with concatenate=True (blocks are full already)", owner=type(self).__name__
+            )
+        super().__init__(train, validation, **settings)
+        self.text_column, self.concatenate = text_column, concatenate
+
+    def required_columns(self) -> dict[str, str]:
+        return {"text_column": self.text_column}
+
+    def format_settings(self) -> dict[str, Any]:
+        return {"text_column": self.text_column, "concatenate": self.concatenate}
+
+    def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
+        ids = self.bos() + self.tokens(self.text(row, self.text_column, index, name)) + self.eos()
+        return ids, list(ids), 0
+
+    def sequences(self, split: str, table: datasets.Dataset) -> list[tuple[list[int], list[int], int]]:
+        if not self.concatenate:
+            return super().sequences(split, table)
+        stream = [t for i, row in enumerate(table) for t in self.encode(row, i, self.split_name(split))[0]]
+        size = self.max_length
+        if len(stream) % size:
+            logger.warning(
+                "%s: concatenate=True: the last %d tokens (less than a block of max_length=%d) are left out",
+                self.split_name(split), len(stream) % size, size,
+            )  # fmt: skip
+        blocks = [stream[at : at + size] for at in range(0, len(stream) - size + 1, size)]
+        return [(block, list(block), 0) for block in blocks]
+
+
+class PromptCompletionData(CausalLMData):
+    """Prompt / completion pairs: the sequence is (BOS and) the prompt's tokens, then the completion's (and EOS).
+
+    Args:
+        prompt_column (`str`, defaults to ``"prompt"``), completion_column (`str`, defaults to ``"completion"``):
+            the two texts (the completion must not be empty).
+        completion_only (`bool`, defaults to True): take the loss on the completion only (the prompt's labels are
+            -100); False: on every token.
+        **settings: those of `CausalLMData` (``truncation="truncate_prompt"`` cuts the start of the prompt).
+    """
+
+    kind = "torchloom.data.causal_lm.PromptCompletionData"
+    has_prompt = True
+
+    def __init__(
+        self,
+        train: Any = None,
+        validation: Any = None,
+        *,
+        prompt_column: str = "prompt",
+        completion_column: str = "completion",
+        completion_only: bool = True,
+        **settings: Any,
+    ) -> None:
+        self.check_column("prompt_column", prompt_column)
+        self.check_column("completion_column", completion_column)
+        if not isinstance(completion_only, bool):
+            raise invalid("completion_only", completion_only, "true or false", owner=type(self).__name__)
+        super().__init__(train, validation, **settings)
+        self.prompt_column, self.completion_column = prompt_column, completion_column
+        self.completion_only = completion_only
+
+    def required_columns(self) -> dict[str, str]:
+        return {"prompt_column": self.prompt_column, "completion_column": self.completion_column}
+
+    def format_settings(self) -> dict[str, Any]:
+        return {"columns": [self.prompt_column, self.completion_column], "completion_only": self.completion_only}
+
+    def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
+        prompt = self.bos() + self.tokens(self.text(row, self.prompt_column, index, name, allow_empty=True))
+        completion = self.tokens(self.text(row, self.completion_column, index, name)) + self.eos()
+        masked = [IGNORE_INDEX] * len(prompt) if self.completion_only else list(prompt)
+        return prompt + completion, masked + completion, len(prompt)
+
+
+class ChatData(CausalLMData):
+    """Conversations: a column of messages (``{"role": ..., "content": ...}``) rendered with a chat template.
+
+    Roles are ``system`` (first only), then ``user`` and ``assistant`` turns alternating, starting with ``user``,
+    with at least one ``assistant`` message. The template is ``chat_template`` or the tokenizer's own; the
+    rendered text is tokenised without adding special tokens (the template writes them). The assistant spans are
+    the characters each assistant message adds to the rendering, after the generation prompt (rendering the
+    conversation prefix by prefix, each a prefix of the next), mapped to tokens by their offsets (a fast tokenizer).
+
+    Args:
+        messages_column (`str`, defaults to ``"messages"``): the conversations.
+        chat_template (`str`, *optional*): a Jinja chat template; defaults to the tokenizer's.
+        assistant_only (`bool`, defaults to True): take the loss on the assistant messages only (what the template
+            writes for them, its end-of-turn tokens included); False: on every token.
+        **settings: those of `CausalLMData`.
+    """
+
+    kind = "torchloom.data.causal_lm.ChatData"
+
+    def __init__(
+        self,
+        train: Any = None,
+        validation: Any = None,
+        *,
+        messages_column: str = "messages",
+        chat_template: str | None = None,
+        assistant_only: bool = True,
+        **settings: Any,
+    ) -> None:
+        self.check_column("messages_column", messages_column)
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+            raise invalid("chat_template", chat_template, "a Jinja template string or None", owner=type(self).__name__)
+        if not isinstance(assistant_only, bool):
+            raise invalid("assistant_only", assistant_only, "true or false", owner=type(self).__name__)
+        super().__init__(train, validation, **settings)
+        self.messages_column, self.chat_template, self.assistant_only = messages_column, chat_template, assistant_only
+
+    def template(self) -> str:
+        """The chat template in use.
+
+        Raises:
+            ConfigError: no ``chat_template`` and the tokenizer has none.
+        """
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str) or not template:
+            raise ConfigError(
+                f"{type(self).__name__}: tokenizer {os.fspath(self.tokenizer_name)!r} has no chat template; set "
+                "chat_template to a Jinja template, or use a tokenizer that ships one"
+            )
+        return template
+
+    def required_columns(self) -> dict[str, str]:
+        return {"messages_column": self.messages_column}
+
+    def format_settings(self) -> dict[str, Any]:
+        return {
+            "messages_column": self.messages_column,
+            "chat_template": cache_key(template=self.template()),
+            "assistant_only": self.assistant_only,
+        }
+
+    def check_messages(self, messages: Any, index: int, name: str) -> list[dict[str, str]]:
+        """The conversation of row ``index``, checked: roles known and in order, contents strings."""
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f"{name}: row {index}: messages is {messages!r}; expected a non-empty list of messages")
+        checked, previous = [], None
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise ConfigError(
+                    f"{name}: row {index} message {i} is {message!r}; expected a role and a string content"
+                )
+            role = message.get("role")
+            if role not in ROLES:
+                raise ConfigError(
+                    f"{name}: row {index} message {i} has role {role!r}; expected one of {', '.join(ROLES)}"
+                )
+            if role == "system":
+                in_order = i == 0
+            elif role == "user":
+                in_order = previous in (None, "system", "assistant")
+            else:
+                in_order = previous == "user"
+            if not in_order:
+                raise ConfigError(
+                    f"{name}: row {index} message {i} has role {role!r} after {previous or 'the start'}; expected "
+                    "an optional system message, then user and assistant turns alternating, starting with user"
+                )
+            previous = role
+            checked.append({"role": role, "content": message["content"]})
+        if not any(m["role"] == "assistant" for m in checked):
+            raise ConfigError(f"{name}: row {index} has no assistant message; expected at least one to train on")
+        return checked
+
+    def render(self, messages: list[dict[str, str]], index: int, name: str, generation: bool = False) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=self.template(), tokenize=False, add_generation_prompt=generation
+            )
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+            raise ConfigError(
+                f"{name}: the chat template does not render row {index}: {type(exc).__name__}: {exc}"
+            ) from None
+        if not isinstance(text, str):
+            raise ConfigError(f"{name}: the chat template rendered row {index} as {type(text).__name__}; expected text")
+        return text
+
+    def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
+        messages = self.check_messages(row[self.messages_column], index, name)
+        full = self.render(messages, index, name)
+        if not self.assistant_only:
+            ids = self.tokens(full)
+            return ids, list(ids), 0
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            end = self.render(messages[: i + 1], index, name)
+            start = self.render(messages[:i], index, name, generation=True)
+            if not start or not end.startswith(start):
+                start = self.render(messages[:i], index, name)
+            if not full.startswith(end) or not end.startswith(start):
+                raise ConfigError(
+                    f"{name}: the chat template does not render row {index} prefix by prefix (the rendering of its "
+                    f"first {i + 1} messages does not start the next one), so the assistant tokens cannot be found; "
+                    "use a template that appends each message, or set assistant_only=False"
+                )
+            spans.append((len(start), len(end)))
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise ConfigError(f"{type(self).__name__}: assistant_only needs a fast tokenizer (token offsets)")
+        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(encoded["input_ids"])
+        labels = [
+            token if any(a <= s < b for a, b in spans) and e > s else IGNORE_INDEX
+            for token, (s, e) in zip(ids, encoded["offset_mapping"])
+        ]
+        return ids, labels, 0
