@@ -57,7 +57,8 @@ class CausalLMData(TextData):
     cut), and ``format_settings()``, its settings for the cache key.
 
     Args:
-        train, validation: tables, as for `TextData` (a path, a `pandas.DataFrame`, a `datasets.Dataset`).
+        train: the training table, as for `TextData` (a path, a `pandas.DataFrame`, a `datasets.Dataset`).
+        validation (*optional*): the validation table, same kinds.
         tokenizer (`str` or `os.PathLike`): a local model/tokenizer directory or a Hub id.
         max_length (`int`, defaults to 512): the most tokens in a row (a packed row holds several sequences).
         truncation (`str`, defaults to ``"error"``): a sequence longer than ``max_length``: ``"error"`` refuses it
