@@ -27,8 +27,11 @@ scheduler: cosine, warmup_ratio: 0.05}}``.
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.util
+import logging
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
@@ -274,7 +277,7 @@ def create_optimizer(
             scale_parameter=_or(c.scale_parameter, True),
             warmup_init=_or(c.warmup_init, False),
         )
-    import bitsandbytes as bnb
+    bnb = _import_bitsandbytes()
 
     cls = {
         "adamw8bit": bnb.optim.AdamW8bit,
@@ -292,6 +295,37 @@ def create_optimizer(
     return optimizer
 
 
+#: The line bitsandbytes' CPU backend logs when it is imported on a CPU with AVX-512 BF16 and the optional ``kernels``
+#: package is missing (bitsandbytes 0.49-0.50, ``bitsandbytes/backends/cpu/ops.py``): about a 4-bit inference kernel
+#: that the 8-bit optimizers never use.
+_BNB_KERNELS_LINE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+class _DropKernelsLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(_BNB_KERNELS_LINE))
+
+
+def _import_bitsandbytes() -> Any:
+    """Import bitsandbytes without the warning its CPU backend logs at import about the optional ``kernels``
+    package ("Failed to load CPU gemm_4bit_forward from kernels-community ..."), which concerns 4-bit inference, not
+    the 8-bit optimizers. A logging filter on that one logger drops that one message during the import; every other
+    record passes, and so does this one when the user asked bitsandbytes for more than warnings (a level below
+    ``WARNING`` on its logger or the root logger). Already imported: returned as it is."""
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    logger = logging.getLogger(_BNB_CPU_LOGGER)
+    if logger.getEffectiveLevel() < logging.WARNING:
+        return importlib.import_module("bitsandbytes")
+    drop = _DropKernelsLine()
+    logger.addFilter(drop)
+    try:
+        return importlib.import_module("bitsandbytes")
+    finally:
+        logger.removeFilter(drop)
+
+
 def release_overrides(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Remove the bitsandbytes module overrides `create_optimizer` registered for ``model``.
 
@@ -299,7 +333,7 @@ def release_overrides(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     per-optimizer table by (group index, parameter index): left in place, a later optimizer in the same
     process would inherit 32-bit state at those positions.
     """
-    import bitsandbytes as bnb
+    bnb = _import_bitsandbytes()
 
     manager = bnb.optim.GlobalOptimManager.get_instance()
     modules = {id(m) for m in model.modules()}
