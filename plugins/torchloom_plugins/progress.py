@@ -11,7 +11,9 @@ Method card
   stdout is an interactive terminal, a `rich.progress.Progress` bar (redrawn ``refresh_per_second`` times a
   second by rich's own thread; ``print`` output and warnings appear above it). Otherwise (CI logs, ``| tee``,
   files, notebooks) no bar: one plain line per ``on_log`` of training values, at most one per
-  ``plain_every_n_seconds``. ``NO_COLOR`` turns colours off; ``terminal`` overrides the detection.
+  ``plain_every_n_seconds``. ``NO_COLOR`` turns colours off; ``terminal`` overrides the detection. The detection
+  is `torchloom.is_terminal`, the rule by which the engine also keeps the libraries' own progress bars out of
+  output that is not a terminal (`torchloom.quiet_libraries`).
 - **Cost on the hot path:** no host-device synchronisation. The step comes from ``progress.global_step``, the
   loss only from ``on_log`` (which the engine already reduced to Python floats at the logging interval), the
   sample count from the batch's shape (`accelerate.utils.find_batch_size`, a metadata read). Per micro-batch,
@@ -225,8 +227,8 @@ class ProgressBar(torchloom.Plugin):
         self._run_dir, self._num_processes = run_dir, accelerator.num_processes
         if self.config.terminal is not None:
             self._bar_mode = self.config.terminal
-        else:  # rich's detection: stdout is a terminal that can move the cursor
-            self._bar_mode = self.console.is_terminal and self.console.is_interactive
+        else:  # stdout is a terminal that can redraw a line: torchloom's one rule, rich's detection
+            self._bar_mode = torchloom.is_terminal(self.console.file)
 
     # -------------------------------------------------------------------------------------------- fit
 
