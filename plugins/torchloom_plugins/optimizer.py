@@ -95,7 +95,9 @@ class OptimizerConfig:
             an item is a case-insensitive substring of its qualified name or of its module's class name
             (``LayerNorm``, ``LlamaRMSNorm``, ``BatchNorm1d``); ``[]`` decays everything.
         scale_parameter (`bool`, *optional*): adafactor only: scale the step by the parameter's RMS (at least
-            1e-3); ``None``: true.
+            1e-3); ``None``: false with a fixed ``lr``, as the HF Trainer's ``optim="adafactor"`` builds it
+            (transformers' own class default is true), and true with ``lr: null``, the relative step it belongs
+            to.
         warmup_init (`bool`, *optional*): adafactor with ``lr: null`` only: relative step
             ``min(1e-6 * t, 1 / sqrt(t))`` instead of ``min(1e-2, 1 / sqrt(t))``; ``None``: false.
         embedding_32bit (`bool`, *optional*): 8-bit only: keep ``nn.Embedding`` weights in 32-bit state;
@@ -124,7 +126,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0  # applied to every parameter except those matched by no_decay
     momentum: float | None = None  # sgd only; default 0
     no_decay: list[str] = field(default_factory=lambda: ["bias", "norm"])  # substrings exempt from decay
-    scale_parameter: bool | None = None  # adafactor: scale steps by the parameter's RMS; default True
+    scale_parameter: bool | None = None  # adafactor: scale steps by the parameter's RMS; default: lr is null
     warmup_init: bool | None = None  # adafactor with lr null: time-dependent warm-up; default False
     embedding_32bit: bool | None = None  # 8-bit: keep nn.Embedding weights in 32-bit state; default True
     min_8bit_size: int | None = None  # 8-bit: tensors with fewer elements keep 32-bit state; default 4096
@@ -274,7 +276,7 @@ def create_optimizer(
             lr=lr,
             eps=(_or(c.eps, 1e-30), 1e-3),
             relative_step=lr is None,
-            scale_parameter=_or(c.scale_parameter, True),
+            scale_parameter=_or(c.scale_parameter, lr is None),  # the HF Trainer's False with a fixed lr
             warmup_init=_or(c.warmup_init, False),
         )
     bnb = _import_bitsandbytes()
