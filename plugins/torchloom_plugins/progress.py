@@ -2,7 +2,8 @@
 
 Method card
 -----------
-- **What:** while a fit runs, the epoch (``1/3``), the optimizer step out of the total (``40/100``), the latest
+- **What:** while a fit runs, the epoch (``0/2``: its 0-based index out of the last one's, the numbering of
+  ``metrics.jsonl``), the optimizer step out of the total (``40/100``), the latest
   training loss, steps per second, elapsed time and ETA; a line with the values of each validation pass; at the
   end of a completed ``fit`` (and of a ``validate``) a table of every logged name with its last and its best
   value, then the optimizer steps, epochs, samples, samples per second, wall time, the run directory and where
@@ -393,8 +394,7 @@ class ProgressBar(torchloom.Plugin):
             bar.stop()  # draws the last frame and gives stdout / stderr back
 
     def _description(self, phase: str = "") -> str:
-        epochs = f"/{self._max_epochs}" if self._max_epochs else ""
-        return f"epoch {self._epoch + 1}{epochs}" + (f" {phase}" if phase else "")
+        return _epoch(self._epoch, self._max_epochs) + (f" {phase}" if phase else "")
 
     def _describe(self, phase: str = "") -> None:
         if self._bar is not None and self._stage == "fit":
@@ -405,8 +405,7 @@ class ProgressBar(torchloom.Plugin):
 
     def _where(self, progress: Any) -> str:
         total = f"/{self._total}" if self._total is not None else ""
-        epochs = f"/{self._max_epochs}" if self._max_epochs else ""
-        return f"epoch {progress.epoch + 1}{epochs}  step {progress.global_step}{total}"
+        return f"{_epoch(progress.epoch, self._max_epochs)}  step {progress.global_step}{total}"
 
     def _plain_training_line(self, metrics: dict[str, float], progress: Any) -> None:
         now = time.perf_counter()
@@ -517,6 +516,13 @@ class _RateColumn(rich_progress.ProgressColumn):
     def render(self, task: rich_progress.Task) -> Text:
         speed = task.finished_speed or task.speed
         return Text(f"- {self.unit}/s" if speed is None else f"{_rate(speed)} {self.unit}/s")
+
+
+def _epoch(epoch: int, max_epochs: int | None) -> str:
+    """``epoch 0/2``: the 0-based index of the epoch (`torchloom.Progress.epoch`, ``epoch`` in ``metrics.jsonl`` and
+    ``torchloom inspect``) out of the index of the last one, as Lightning's ``RichProgressBar`` shows
+    ``current_epoch``."""
+    return f"epoch {epoch}" + (f"/{max_epochs - 1}" if max_epochs else "")
 
 
 def _short(value: float) -> str:
