@@ -31,8 +31,10 @@ Method card
 - **Best values:** the smallest value for names that read as an error (a part ``loss``, ``error``,
   ``perplexity``, ``ppl``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer``), the largest for any other name, none for names
   that describe the run's state rather than a result (``lr``, ``learning_rate``, a gradient or weight ``norm``,
-  a loss ``scale``, ``skipped`` steps): see `metric_direction`. The best so far is `torchloom.Monitor`'s rule,
-  the one of ``early_stopping`` and ``checkpoint`` (strictly better; NaN is never the best).
+  a loss ``scale``, ``skipped`` steps, a size in ``bytes``): see `metric_direction`; and none for a name whose
+  value never changed (a constant, or a name logged once), where a best says nothing. The best so far is
+  `torchloom.Monitor`'s rule, the one of ``early_stopping`` and ``checkpoint`` (strictly better; NaN is never the
+  best).
 - **Sources:** Lightning's ``RichProgressBar`` and ``TQDMProgressBar`` callbacks; the HF Trainer's
   ``ProgressCallback`` / ``PrinterCallback`` (plain lines when there is no terminal); rich's ``Progress`` and
   ``Live`` documentation.
@@ -112,12 +114,13 @@ def metric_direction(name: str) -> str | None:
 
     `torchloom.Monitor.direction` with ``"max"`` for a name that reads as neither: the name is split into parts at
     ``/``, ``.``, ``_``, ``-`` and spaces, case-insensitively; a part ``lr``, ``learning`` (``learning_rate``),
-    ``norm``, ``scale`` or ``skipped`` gives ``None``; else a part ``loss``, ``error``, ``perplexity``, ``mse``,
-    ``mae``, ``rmse``, ``wer``, ``cer`` ..., or one ending in ``loss`` (``logloss``), gives ``"min"``; any other name
-    gives ``"max"`` (accuracy, F1, BLEU).
+    ``norm``, ``scale``, ``skipped`` or ``bytes`` gives ``None``; else a part ``loss``, ``error``, ``perplexity``,
+    ``mse``, ``mae``, ``rmse``, ``wer``, ``cer`` ..., or one ending in ``loss`` (``logloss``), gives ``"min"``; any
+    other name gives ``"max"`` (accuracy, F1, BLEU).
 
     Example: ``metric_direction("val/loss") == "min"``, ``metric_direction("val/accuracy") == "max"``,
-    ``metric_direction("lr-AdamW") is None``, ``metric_direction("grad_norm") is None``.
+    ``metric_direction("lr-AdamW") is None``, ``metric_direction("grad_norm") is None``,
+    ``metric_direction("optimizer/state_bytes") is None``.
     """
     return torchloom.Monitor.direction(name, default="max")
 
@@ -134,18 +137,33 @@ def batch_size(batch: Any) -> int | None:
 
 @dataclass
 class _Track:
-    """The last and the best value of one logged name."""
+    """The last and the best value of one logged name, and whether its value ever changed."""
 
     direction: str | None
     last: float = math.nan
     last_step: int = 0
     best: float | None = None
     best_step: int | None = None
+    first: float | None = None
+    changed: bool = False  # a value differed from the first one (a constant, or a single value, has no best)
 
     def add(self, value: float, step: int) -> None:
+        if self.first is None:
+            self.first = value
+        elif not self.changed and not _same(value, self.first):
+            self.changed = True
         self.last, self.last_step = value, step
         if self.direction is not None and torchloom.Monitor.is_better(value, self.best, self.direction):
             self.best, self.best_step = value, step  # NaN is never the best value
+
+    def shown_best(self) -> tuple[float | None, int | None]:
+        """The best value and its step, or ``(None, None)`` for a name without a best or whose value never
+        changed."""
+        return (self.best, self.best_step) if self.changed else (None, None)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 class ProgressBar(torchloom.Plugin):
@@ -444,8 +462,8 @@ class ProgressBar(torchloom.Plugin):
             name: {
                 "last": t.last,
                 "last_step": t.last_step,
-                "best": t.best,
-                "best_step": t.best_step,
+                "best": t.shown_best()[0],
+                "best_step": t.shown_best()[1],
                 "direction": t.direction,
             }
             for name, t in self._tracks.items()

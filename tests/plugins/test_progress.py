@@ -183,6 +183,38 @@ def test_summary_has_the_last_and_best_value_of_every_metric_and_exact_counts(tm
     assert "model: not saved (engine setting save_model: false)" in out
 
 
+class ConstantsAndSizes:
+    """Logs a result that never changes (``val/majority_rate``), a byte count, and a result logged once."""
+
+    name = "test.constants"
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    @torchloom.hookimpl
+    def on_validation_end(self, log) -> None:
+        log("val/majority_rate", 0.625)
+        log("val/cache_bytes", 1000.0 * (self.passes + 1))  # grows: still a size, not a result
+        if self.passes == 0:
+            log("val/once_accuracy", 0.75)
+        self.passes += 1
+
+
+def test_no_best_for_a_value_that_never_changed_nor_for_a_byte_count(tmp_path, capsys) -> None:
+    """A best says something only for a result that varied: a constant, a value logged once and a size in bytes
+    get ``-`` in the table and ``best: null`` in summary.json; a result that changed keeps its best."""
+    engine, _ = fit(tmp_path, None, ConstantsAndSizes())
+    out = capsys.readouterr().out
+    metrics = json.loads((Path(engine.run_dir) / "summary.json").read_text())["metrics"]
+    assert metric_direction("val/cache_bytes") is None and metric_direction("optimizer/state_bytes") is None
+    for name in ("val/majority_rate", "val/cache_bytes", "val/once_accuracy"):
+        assert (metrics[name]["best"], metrics[name]["best_step"]) == (None, None), name
+        assert table_row(out, name)[2:] == ["-", ""], name
+    assert metrics["val/majority_rate"]["direction"] == "max"  # a result: only its constant value has no best
+    assert metrics["val/cache_bytes"]["last"] == 3000.0
+    assert metrics["val/loss"]["best"] is not None  # a result that changed
+
+
 def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys) -> None:
     engine, _ = fit(tmp_path)
     out = capsys.readouterr().out
