@@ -432,6 +432,56 @@ def test_every_api_directive_names_an_existing_object():
         assert hasattr(importlib.import_module(defining), attr), target
 
 
+def _documented_docstrings() -> dict[str, str]:
+    """``qualified name -> docstring`` of every object of the API reference and of its public members (methods,
+    properties), as mkdocstrings renders them."""
+    import inspect
+
+    found: dict[str, str] = {}
+    for target in _api_directives():
+        defining, _, attr = target.rpartition(".")
+        obj = getattr(importlib.import_module(defining), attr)
+        members = [(target, obj)]
+        if inspect.isclass(obj):
+            members += [(f"{target}.{n}", m) for n, m in vars(obj).items() if not n.startswith("_")]
+        for name, member in members:
+            member = getattr(member, "fget", None) or getattr(member, "__func__", None) or member
+            doc = member.__doc__ if (inspect.isclass(member) or callable(member)) else None
+            if doc:
+                found[name] = inspect.cleandoc(doc)
+    return found
+
+
+def test_the_api_reference_shows_no_raw_markup_in_its_type_column():
+    """The types that the docstrings write the transformers way (``name (`str`, *optional*, defaults to 4):``)
+    reach the API reference's Type column as type expressions: docs/griffe_rst.py rewrites them before Griffe
+    parses the docstrings. This runs that rewrite on every documented docstring and fails on any type that would
+    still show backticks or asterisks (a style the rewrite does not read: one item naming two parameters, say).
+    The ``docs`` nox session also checks the built pages (docs/check_site.py)."""
+    rst = _docs_script("griffe_rst")
+    raw = {}
+    for name, doc in _documented_docstrings().items():
+        types = rst.section_types(rst.types_to_annotations(rst.rst_literals_to_markdown(doc)))
+        if bad := [t for t in types if re.search(r"[`*]", t)]:
+            raw[name] = bad
+    assert raw == {}, f"types Griffe would show as raw markup: {raw}"
+    assert rst.annotation('`str` or ``None``, *optional*, defaults to ``"x"``') == "str | None"
+    assert rst.annotation("`tuple[int, int]`, defaults to (1, 2)") == "tuple[int, int]"
+    assert rst.annotation("*optional*") is None  # the signature's annotation then
+    before = ["Args:", "    a (`int`, *optional*): one.", "    b (*optional*): two.", "Returns:", "    `bool`: yes."]
+    after = ["Args:", "    a (int): one.", "    b: two.", "Returns:", "    (bool): yes."]
+    assert rst.types_to_annotations("\n".join(before)) == "\n".join(after)
+
+
+def test_the_site_check_finds_raw_markup_in_a_type_column(tmp_path):
+    check = _docs_script("check_site")
+    cell = "<tr><td><code>x</code></td><td><code>{}</code></td><td>d</td></tr>"
+    table = "<table><thead><tr><th>Name</th><th>Type</th><th>Description</th></tr></thead><tbody>{}</tbody></table>"
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "index.html").write_text(table.format(cell.format("`int`, *optional*") + cell.format("int")))
+    assert check.raw_markup(tmp_path) == ["api/index.html: `int`, *optional*"]
+
+
 # ------------------------------------------------------------------------------------------ stable surface
 
 
