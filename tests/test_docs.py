@@ -300,6 +300,23 @@ def test_the_loop_page_marks_every_hook_where_it_fires(hook):
     assert marked, f"docs/loop.md calls {hook} without a # HOOK mark on the line"
 
 
+def test_the_hook_reference_gives_the_log_arguments_signature_and_reductions():
+    """The ``log`` that hooks receive is documented with its parameters and defaults, and every reduction that
+    ``log`` accepts is described (the signature is `TaskModule.log`'s, read from the code)."""
+    import inspect
+
+    from torchloom import TaskModule
+    from torchloom._logbuffer import REDUCTIONS
+
+    params = inspect.signature(TaskModule.log).parameters
+    signature = f'log(name, value, weight={params["weight"].default}, reduce="{params["reduce"].default}")'
+    text = (DOCS / "hooks.md").read_text(encoding="utf-8")
+    section = text[text.index("## The `log` argument") : text.index("## Set-up")]
+    assert f"`{signature}`" in section
+    assert re.findall(r'^- `"(\w+)"`', section, re.MULTILINE) == list(REDUCTIONS)
+    assert text.count(f"- `log`: `{signature}`") == len([h for h, args in _hook_argnames().items() if "log" in args])
+
+
 def test_the_hook_reference_documents_no_hook_that_does_not_exist():
     text = (DOCS / "hooks.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"^### `(\w+)\(", text, re.MULTILINE))
