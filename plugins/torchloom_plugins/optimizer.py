@@ -64,6 +64,8 @@ _ONLY_FOR = {
     "embedding_32bit": _EIGHT_BIT,
     "min_8bit_size": _EIGHT_BIT,
 }
+#: How the 8-bit optimizers' error says to install bitsandbytes: the README's install line with the ``8bit`` extra.
+INSTALL_8BIT = 'python3 -m pip install -c constraints.txt -e ".[8bit]"'
 # Schedules whose step() needs a metric or a loss: the engine calls scheduler.step() without arguments.
 _UNSUPPORTED_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
 _NEEDS_TOTAL = (
@@ -533,8 +535,8 @@ class OptimizerSwap(torchloom.Plugin):
         super().__init__(config, **settings)
         if self.config.name in _EIGHT_BIT and importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError(
-                f"optimizer {self.config.name!r} needs bitsandbytes, which is not installed: "
-                "pip install 'torchloom[8bit]' (or pip install bitsandbytes)"
+                f"optimizer {self.config.name!r} needs bitsandbytes, which is not installed: add torchloom's 8bit "
+                f"extra, from the repository root: {INSTALL_8BIT} (or pip install bitsandbytes)"
             )
         self._state_logged = False
         self._lr_used: float | None = None
