@@ -520,6 +520,15 @@ def test_the_stable_surface_lists_exactly_the_public_api():
 
 
 @pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_repeats_a_heading(page):
+    """A heading twice on one page (the user guide had "Writing a task" twice in a row) reads as a slip and gives
+    the second an anchor ``...-1`` that no link means."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.MULTILINE | re.DOTALL)
+    headings = re.findall(r"^(#{1,6} .+?)\s*$", text, re.MULTILINE)
+    assert sorted({h for h in headings if headings.count(h) > 1}) == []
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_point_to_existing_files_and_headings(page):
     assert page.is_file(), f"{page.relative_to(ROOT)} is missing"
     broken = []
