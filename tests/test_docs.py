@@ -564,6 +564,17 @@ def test_python_code_blocks_compile(page):
             pytest.fail(f"{page.relative_to(ROOT)}, the python block at line {line}: {exc}")
 
 
+def test_the_site_links_its_repository_and_keeps_notes_out_of_the_guides():
+    """mkdocs.yml names the repository (the header's link), and the guides are guides: the upstream bug report
+    sits under the notes."""
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", site["repo_url"])
+    nav = {next(iter(entry)): next(iter(entry.values())) for entry in site["nav"] if isinstance(entry, dict)}
+    guides = [page for entry in nav["Guides"] for page in entry.values()]
+    notes = [page for entry in nav["Notes"] for page in entry.values()]
+    assert "upstream-accelerate-optimizer.md" in notes and not any(p.startswith("upstream") for p in guides)
+
+
 @pytest.mark.parametrize("name", ["writing-plugins.md", "user-guide.md", "index.md", "loop.md"])
 def test_the_guides_exist(name):
     page = DOCS / name
