@@ -45,6 +45,29 @@ Forward hooks run in the order plugins are listed; `after_*`, `*_end` and `teard
 
 """
 
+LOG_ARGUMENT = """## The `log` argument
+
+The hooks that take `log` get `{signature}`,
+the same function as `TaskModule.log`. It buffers `value` (a number, a one-element tensor on any device, or a
+`torchmetrics.Metric`) under `name`, without a host-device sync. At each reduction (every `log_every_n_steps`
+optimizer steps and at the end of training; right after a validation pass for what is logged during it) each
+name becomes one float, the same on every rank, as `reduce` says:
+
+{reductions}
+
+`weight` (a number or a tensor) weights the value in a `"mean"`, e.g. by the number of samples it averages. The
+reduced values reach `on_log` and `metrics.jsonl`. Every rank must log the same names with the same reductions.
+
+"""
+
+REDUCTIONS = {
+    "mean": " (the default): the `weight`-weighted mean over the logged values and all ranks;",
+    "sum": ": the total;",
+    "max": ": the largest value;",
+    "min": ": the smallest value;",
+    "last": ": the latest value on the main process (a current value, such as a learning rate).",
+}
+
 
 def hook_names() -> list[str]:
     """Hookspec names in the order they are defined (= firing order)."""
@@ -87,8 +110,25 @@ def sections() -> dict[str, str]:
     return found
 
 
+def log_signature() -> str:
+    """``log(name, value, weight=1.0, reduce="mean")``: `TaskModule.log`'s parameters, with their defaults."""
+    from torchloom import TaskModule
+
+    params = list(inspect.signature(TaskModule.log).parameters.values())[1:]  # not self
+    shown = [p.name if p.default is p.empty else f"{p.name}={p.default!r}".replace("'", '"') for p in params]
+    return f"log({', '.join(shown)})"
+
+
+def log_argument() -> str:
+    from torchloom._logbuffer import REDUCTIONS as ACCEPTED
+
+    assert tuple(REDUCTIONS) == ACCEPTED, f"docs/gen_hooks.py describes {tuple(REDUCTIONS)}, log accepts {ACCEPTED}"
+    reductions = "\n".join(f'- `"{name}"`{text}' for name, text in REDUCTIONS.items())
+    return LOG_ARGUMENT.format(signature=log_signature(), reductions=reductions)
+
+
 def render() -> str:
-    parts = [HEADER]
+    parts = [HEADER, log_argument()]
     section = None
     where = sections()
     for name in hook_names():

@@ -300,6 +300,23 @@ def test_the_loop_page_marks_every_hook_where_it_fires(hook):
     assert marked, f"docs/loop.md calls {hook} without a # HOOK mark on the line"
 
 
+def test_the_hook_reference_gives_the_log_arguments_signature_and_reductions():
+    """The ``log`` that hooks receive is documented with its parameters and defaults, and every reduction that
+    ``log`` accepts is described (the signature is `TaskModule.log`'s, read from the code)."""
+    import inspect
+
+    from torchloom import TaskModule
+    from torchloom._logbuffer import REDUCTIONS
+
+    params = inspect.signature(TaskModule.log).parameters
+    signature = f'log(name, value, weight={params["weight"].default}, reduce="{params["reduce"].default}")'
+    text = (DOCS / "hooks.md").read_text(encoding="utf-8")
+    section = text[text.index("## The `log` argument") : text.index("## Set-up")]
+    assert f"`{signature}`" in section
+    assert re.findall(r'^- `"(\w+)"`', section, re.MULTILINE) == list(REDUCTIONS)
+    assert text.count(f"- `log`: `{signature}`") == len([h for h, args in _hook_argnames().items() if "log" in args])
+
+
 def test_the_hook_reference_documents_no_hook_that_does_not_exist():
     text = (DOCS / "hooks.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"^### `(\w+)\(", text, re.MULTILINE))
@@ -432,6 +449,56 @@ def test_every_api_directive_names_an_existing_object():
         assert hasattr(importlib.import_module(defining), attr), target
 
 
+def _documented_docstrings() -> dict[str, str]:
+    """``qualified name -> docstring`` of every object of the API reference and of its public members (methods,
+    properties), as mkdocstrings renders them."""
+    import inspect
+
+    found: dict[str, str] = {}
+    for target in _api_directives():
+        defining, _, attr = target.rpartition(".")
+        obj = getattr(importlib.import_module(defining), attr)
+        members = [(target, obj)]
+        if inspect.isclass(obj):
+            members += [(f"{target}.{n}", m) for n, m in vars(obj).items() if not n.startswith("_")]
+        for name, member in members:
+            member = getattr(member, "fget", None) or getattr(member, "__func__", None) or member
+            doc = member.__doc__ if (inspect.isclass(member) or callable(member)) else None
+            if doc:
+                found[name] = inspect.cleandoc(doc)
+    return found
+
+
+def test_the_api_reference_shows_no_raw_markup_in_its_type_column():
+    """The types that the docstrings write the transformers way (``name (`str`, *optional*, defaults to 4):``)
+    reach the API reference's Type column as type expressions: docs/griffe_rst.py rewrites them before Griffe
+    parses the docstrings. This runs that rewrite on every documented docstring and fails on any type that would
+    still show backticks or asterisks (a style the rewrite does not read: one item naming two parameters, say).
+    The ``docs`` nox session also checks the built pages (docs/check_site.py)."""
+    rst = _docs_script("griffe_rst")
+    raw = {}
+    for name, doc in _documented_docstrings().items():
+        types = rst.section_types(rst.types_to_annotations(rst.rst_literals_to_markdown(doc)))
+        if bad := [t for t in types if re.search(r"[`*]", t)]:
+            raw[name] = bad
+    assert raw == {}, f"types Griffe would show as raw markup: {raw}"
+    assert rst.annotation('`str` or ``None``, *optional*, defaults to ``"x"``') == "str | None"
+    assert rst.annotation("`tuple[int, int]`, defaults to (1, 2)") == "tuple[int, int]"
+    assert rst.annotation("*optional*") is None  # the signature's annotation then
+    before = ["Args:", "    a (`int`, *optional*): one.", "    b (*optional*): two.", "Returns:", "    `bool`: yes."]
+    after = ["Args:", "    a (int): one.", "    b: two.", "Returns:", "    (bool): yes."]
+    assert rst.types_to_annotations("\n".join(before)) == "\n".join(after)
+
+
+def test_the_site_check_finds_raw_markup_in_a_type_column(tmp_path):
+    check = _docs_script("check_site")
+    cell = "<tr><td><code>x</code></td><td><code>{}</code></td><td>d</td></tr>"
+    table = "<table><thead><tr><th>Name</th><th>Type</th><th>Description</th></tr></thead><tbody>{}</tbody></table>"
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "index.html").write_text(table.format(cell.format("`int`, *optional*") + cell.format("int")))
+    assert check.raw_markup(tmp_path) == ["api/index.html: `int`, *optional*"]
+
+
 # ------------------------------------------------------------------------------------------ stable surface
 
 
@@ -450,6 +517,15 @@ def test_the_stable_surface_lists_exactly_the_public_api():
 
 
 # ----------------------------------------------------------------------------------------------- links
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_repeats_a_heading(page):
+    """A heading twice on one page (the user guide had "Writing a task" twice in a row) reads as a slip and gives
+    the second an anchor ``...-1`` that no link means."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.MULTILINE | re.DOTALL)
+    headings = re.findall(r"^(#{1,6} .+?)\s*$", text, re.MULTILINE)
+    assert sorted({h for h in headings if headings.count(h) > 1}) == []
 
 
 @pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -486,6 +562,17 @@ def test_python_code_blocks_compile(page):
             compile(code, f"{page.relative_to(ROOT)}:{line}", "exec")
         except SyntaxError as exc:
             pytest.fail(f"{page.relative_to(ROOT)}, the python block at line {line}: {exc}")
+
+
+def test_the_site_links_its_repository_and_keeps_notes_out_of_the_guides():
+    """mkdocs.yml names the repository (the header's link), and the guides are guides: the upstream bug report
+    sits under the notes."""
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", site["repo_url"])
+    nav = {next(iter(entry)): next(iter(entry.values())) for entry in site["nav"] if isinstance(entry, dict)}
+    guides = [page for entry in nav["Guides"] for page in entry.values()]
+    notes = [page for entry in nav["Notes"] for page in entry.values()]
+    assert "upstream-accelerate-optimizer.md" in notes and not any(p.startswith("upstream") for p in guides)
 
 
 @pytest.mark.parametrize("name", ["writing-plugins.md", "user-guide.md", "index.md", "loop.md"])

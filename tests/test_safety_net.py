@@ -54,13 +54,30 @@ class GradProbe:
 # ------------------------------------------------------------------------------------------------- optimizer
 
 
-def test_adafactor_keeps_scale_parameter_default(tmp_path):
-    """Adafactor's documented ``scale_parameter`` default (True) is what the optimizer group holds."""
+def test_adafactor_with_a_fixed_lr_is_the_hf_trainers_adafactor(tmp_path):
+    """``name: adafactor`` with an lr builds what the HF Trainer's ``optim="adafactor"`` builds (asked of the
+    installed Trainer): ``scale_parameter=False, relative_step=False``, not transformers' class default
+    ``scale_parameter=True``; the documented default is what the optimizer group holds."""
+    from transformers import Trainer, TrainingArguments
+
+    _, trainer_kwargs = Trainer.get_optimizer_cls_and_kwargs(
+        TrainingArguments(output_dir=str(tmp_path / "hf"), optim="adafactor", learning_rate=1e-2)
+    )
     capture = Capture()
     tiny_fit([{"optimizer": {"name": "adafactor", "lr": 1e-2}}, capture], max_steps=1, output_dir=str(tmp_path))
     group = capture.optimizer.param_groups[0]
-    assert group["scale_parameter"] is True
-    assert group["relative_step"] is False and group["warmup_init"] is False
+    assert (trainer_kwargs["scale_parameter"], trainer_kwargs["relative_step"]) == (False, False)
+    assert group["scale_parameter"] is False and group["relative_step"] is False and group["warmup_init"] is False
+    assert group["lr"] == trainer_kwargs["lr"] == 1e-2
+
+
+def test_adafactor_with_its_relative_step_scales_by_the_parameter(tmp_path):
+    """``lr: null`` (the relative step) keeps the pairing of the Adafactor paper: ``scale_parameter`` defaults to
+    true there."""
+    capture = Capture()
+    tiny_fit([{"optimizer": {"name": "adafactor", "lr": None}}, capture], max_steps=1, output_dir=str(tmp_path))
+    group = capture.optimizer.param_groups[0]
+    assert group["scale_parameter"] is True and group["relative_step"] is True
 
 
 class TiedEmbeddingTask(TinyTask):

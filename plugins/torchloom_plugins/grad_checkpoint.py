@@ -9,8 +9,14 @@ Method card
 - **Mechanism:** transformers models: ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
   before transformers 5) with ``{"use_reentrant": ...}``; any other module: its ``forward`` runs inside
   `torch.utils.checkpoint.checkpoint` (``preserve_rng_state=True``, so dropout masks are replayed exactly).
-- **Hooks:** ``configure_model``, before ``accelerator.prepare`` (so DDP wraps the checkpointed model);
-  ``on_fit_start`` only warns when ``use_reentrant: true`` meets several processes.
+- **Hooks:** ``setup`` (the stage), ``configure_model``, before ``accelerator.prepare`` (so DDP wraps the
+  checkpointed model); ``on_fit_start`` only warns when ``use_reentrant: true`` meets several processes;
+  ``on_train_end`` and ``teardown`` give the model its ``use_cache`` back.
+- **use_cache:** with ``modules: hf``, a fit sets ``config.use_cache = False`` on each checkpointed transformers
+  model, as the HF Trainer does (``TrainingArguments.use_cache`` defaults to false): checkpointing recomputes the
+  forward, so a key/value cache is never used in training, and transformers would otherwise log "`use_cache=True`
+  is incompatible with gradient checkpointing" at the first step. The value comes back when training ends, before
+  the model is saved, so its ``config.json`` keeps ``use_cache: true``.
 - **Guarantees:** gradients equal those of the run without it (dropout included); ``use_reentrant`` defaults
   to False (works with frozen layers before the block and under DDP with a block used twice) and is never
   overridden; with ``use_reentrant: true`` inputs of a block whose trainable weights would otherwise get no
@@ -233,10 +239,42 @@ class GradientCheckpointing(torchloom.Plugin):
     def __init__(self, config: GradientCheckpointingConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
         self.checkpointed: list[str] = []
+        self._stage = "fit"
+        self._cache_configs: list[Any] = []  # the transformers configs whose use_cache this fit turned off
+
+    @torchloom.hookimpl
+    def setup(self, stage: str) -> None:
+        self._stage = stage
 
     @torchloom.hookimpl
     def configure_model(self, model: torch.nn.Module) -> None:
         self.checkpointed = checkpoint_modules(model, self.config.modules, self.config.use_reentrant)
+        if self.config.modules == "hf" and self._stage == "fit":
+            self._turn_off_cache(model)
+
+    def _turn_off_cache(self, model: torch.nn.Module) -> None:
+        # A checkpointed transformers model ignores use_cache=True in training and logs "`use_cache=True` is
+        # incompatible with gradient checkpointing. Setting `use_cache=False`." at its first step; turned off in
+        # its config as the HF Trainer does (use_cache: false), and turned back on when training ends, so the
+        # saved config.json keeps the model's own value.
+        for name in self.checkpointed:
+            config: Any = getattr(model.get_submodule(name), "config", None)
+            if getattr(config, "use_cache", None) is True and not any(c is config for c in self._cache_configs):
+                config.use_cache = False
+                self._cache_configs.append(config)
+
+    def _restore_cache(self) -> None:
+        for config in self._cache_configs:
+            config.use_cache = True
+        self._cache_configs = []
+
+    @torchloom.hookimpl
+    def on_train_end(self) -> None:
+        self._restore_cache()
+
+    @torchloom.hookimpl
+    def teardown(self) -> None:
+        self._restore_cache()  # a fit that failed before the end of training
 
     @torchloom.hookimpl
     def on_fit_start(self, accelerator) -> None:

@@ -27,8 +27,11 @@ scheduler: cosine, warmup_ratio: 0.05}}``.
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.util
+import logging
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
@@ -61,6 +64,8 @@ _ONLY_FOR = {
     "embedding_32bit": _EIGHT_BIT,
     "min_8bit_size": _EIGHT_BIT,
 }
+#: How the 8-bit optimizers' error says to install bitsandbytes: the README's install line with the ``8bit`` extra.
+INSTALL_8BIT = 'python3 -m pip install -c constraints.txt -e ".[8bit]"'
 # Schedules whose step() needs a metric or a loss: the engine calls scheduler.step() without arguments.
 _UNSUPPORTED_SCHEDULES = ("reduce_lr_on_plateau", "greedy")
 _NEEDS_TOTAL = (
@@ -92,7 +97,9 @@ class OptimizerConfig:
             an item is a case-insensitive substring of its qualified name or of its module's class name
             (``LayerNorm``, ``LlamaRMSNorm``, ``BatchNorm1d``); ``[]`` decays everything.
         scale_parameter (`bool`, *optional*): adafactor only: scale the step by the parameter's RMS (at least
-            1e-3); ``None``: true.
+            1e-3); ``None``: false with a fixed ``lr``, as the HF Trainer's ``optim="adafactor"`` builds it
+            (transformers' own class default is true), and true with ``lr: null``, the relative step it belongs
+            to.
         warmup_init (`bool`, *optional*): adafactor with ``lr: null`` only: relative step
             ``min(1e-6 * t, 1 / sqrt(t))`` instead of ``min(1e-2, 1 / sqrt(t))``; ``None``: false.
         embedding_32bit (`bool`, *optional*): 8-bit only: keep ``nn.Embedding`` weights in 32-bit state;
@@ -121,7 +128,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0  # applied to every parameter except those matched by no_decay
     momentum: float | None = None  # sgd only; default 0
     no_decay: list[str] = field(default_factory=lambda: ["bias", "norm"])  # substrings exempt from decay
-    scale_parameter: bool | None = None  # adafactor: scale steps by the parameter's RMS; default True
+    scale_parameter: bool | None = None  # adafactor: scale steps by the parameter's RMS; default: lr is null
     warmup_init: bool | None = None  # adafactor with lr null: time-dependent warm-up; default False
     embedding_32bit: bool | None = None  # 8-bit: keep nn.Embedding weights in 32-bit state; default True
     min_8bit_size: int | None = None  # 8-bit: tensors with fewer elements keep 32-bit state; default 4096
@@ -271,10 +278,10 @@ def create_optimizer(
             lr=lr,
             eps=(_or(c.eps, 1e-30), 1e-3),
             relative_step=lr is None,
-            scale_parameter=_or(c.scale_parameter, True),
+            scale_parameter=_or(c.scale_parameter, lr is None),  # the HF Trainer's False with a fixed lr
             warmup_init=_or(c.warmup_init, False),
         )
-    import bitsandbytes as bnb
+    bnb = _import_bitsandbytes()
 
     cls = {
         "adamw8bit": bnb.optim.AdamW8bit,
@@ -292,6 +299,37 @@ def create_optimizer(
     return optimizer
 
 
+#: The line bitsandbytes' CPU backend logs when it is imported on a CPU with AVX-512 BF16 and the optional ``kernels``
+#: package is missing (bitsandbytes 0.49-0.50, ``bitsandbytes/backends/cpu/ops.py``): about a 4-bit inference kernel
+#: that the 8-bit optimizers never use.
+_BNB_KERNELS_LINE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+class _DropKernelsLine(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(_BNB_KERNELS_LINE))
+
+
+def _import_bitsandbytes() -> Any:
+    """Import bitsandbytes without the warning its CPU backend logs at import about the optional ``kernels``
+    package ("Failed to load CPU gemm_4bit_forward from kernels-community ..."), which concerns 4-bit inference, not
+    the 8-bit optimizers. A logging filter on that one logger drops that one message during the import; every other
+    record passes, and so does this one when the user asked bitsandbytes for more than warnings (a level below
+    ``WARNING`` on its logger or the root logger). Already imported: returned as it is."""
+    if "bitsandbytes" in sys.modules:
+        return sys.modules["bitsandbytes"]
+    logger = logging.getLogger(_BNB_CPU_LOGGER)
+    if logger.getEffectiveLevel() < logging.WARNING:
+        return importlib.import_module("bitsandbytes")
+    drop = _DropKernelsLine()
+    logger.addFilter(drop)
+    try:
+        return importlib.import_module("bitsandbytes")
+    finally:
+        logger.removeFilter(drop)
+
+
 def release_overrides(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Remove the bitsandbytes module overrides `create_optimizer` registered for ``model``.
 
@@ -299,7 +337,7 @@ def release_overrides(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     per-optimizer table by (group index, parameter index): left in place, a later optimizer in the same
     process would inherit 32-bit state at those positions.
     """
-    import bitsandbytes as bnb
+    bnb = _import_bitsandbytes()
 
     manager = bnb.optim.GlobalOptimManager.get_instance()
     modules = {id(m) for m in model.modules()}
@@ -497,8 +535,8 @@ class OptimizerSwap(torchloom.Plugin):
         super().__init__(config, **settings)
         if self.config.name in _EIGHT_BIT and importlib.util.find_spec("bitsandbytes") is None:
             raise ConfigError(
-                f"optimizer {self.config.name!r} needs bitsandbytes, which is not installed: "
-                "pip install 'torchloom[8bit]' (or pip install bitsandbytes)"
+                f"optimizer {self.config.name!r} needs bitsandbytes, which is not installed: add torchloom's 8bit "
+                f"extra, from the repository root: {INSTALL_8BIT} (or pip install bitsandbytes)"
             )
         self._state_logged = False
         self._lr_used: float | None = None

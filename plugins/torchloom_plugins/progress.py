@@ -2,7 +2,8 @@
 
 Method card
 -----------
-- **What:** while a fit runs, the epoch (``1/3``), the optimizer step out of the total (``40/100``), the latest
+- **What:** while a fit runs, the epoch (``0/2``: its 0-based index out of the last one's, the numbering of
+  ``metrics.jsonl``), the optimizer step out of the total (``40/100``), the latest
   training loss, steps per second, elapsed time and ETA; a line with the values of each validation pass; at the
   end of a completed ``fit`` (and of a ``validate``) a table of every logged name with its last and its best
   value, then the optimizer steps, epochs, samples, samples per second, wall time, the run directory and where
@@ -13,7 +14,9 @@ Method card
   stdout is an interactive terminal, a `rich.progress.Progress` bar (redrawn ``refresh_per_second`` times a
   second by rich's own thread; ``print`` output and warnings appear above it). Otherwise (CI logs, ``| tee``,
   files, notebooks) no bar: one plain line per ``on_log`` of training values, at most one per
-  ``plain_every_n_seconds``. ``NO_COLOR`` turns colours off; ``terminal`` overrides the detection.
+  ``plain_every_n_seconds``. ``NO_COLOR`` turns colours off; ``terminal`` overrides the detection. The detection
+  is `torchloom.is_terminal`, the rule by which the engine also keeps the libraries' own progress bars out of
+  output that is not a terminal (`torchloom.quiet_libraries`).
 - **Cost on the hot path:** no host-device synchronisation. The step comes from ``progress.global_step``, the
   loss only from ``on_log`` (which the engine already reduced to Python floats at the logging interval), the
   sample count from the batch's shape (`accelerate.utils.find_batch_size`, a metadata read). Per micro-batch,
@@ -30,8 +33,10 @@ Method card
 - **Best values:** the smallest value for names that read as an error (a part ``loss``, ``error``,
   ``perplexity``, ``ppl``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer``), the largest for any other name, none for names
   that describe the run's state rather than a result (``lr``, ``learning_rate``, a gradient or weight ``norm``,
-  a loss ``scale``, ``skipped`` steps): see `metric_direction`. The best so far is `torchloom.Monitor`'s rule,
-  the one of ``early_stopping`` and ``checkpoint`` (strictly better; NaN is never the best).
+  a loss ``scale``, ``skipped`` steps, a size in ``bytes``): see `metric_direction`; and none for a name whose
+  value never changed (a constant, or a name logged once), where a best says nothing. The best so far is
+  `torchloom.Monitor`'s rule, the one of ``early_stopping`` and ``checkpoint`` (strictly better; NaN is never the
+  best).
 - **Sources:** Lightning's ``RichProgressBar`` and ``TQDMProgressBar`` callbacks; the HF Trainer's
   ``ProgressCallback`` / ``PrinterCallback`` (plain lines when there is no terminal); rich's ``Progress`` and
   ``Live`` documentation.
@@ -111,12 +116,13 @@ def metric_direction(name: str) -> str | None:
 
     `torchloom.Monitor.direction` with ``"max"`` for a name that reads as neither: the name is split into parts at
     ``/``, ``.``, ``_``, ``-`` and spaces, case-insensitively; a part ``lr``, ``learning`` (``learning_rate``),
-    ``norm``, ``scale`` or ``skipped`` gives ``None``; else a part ``loss``, ``error``, ``perplexity``, ``mse``,
-    ``mae``, ``rmse``, ``wer``, ``cer`` ..., or one ending in ``loss`` (``logloss``), gives ``"min"``; any other name
-    gives ``"max"`` (accuracy, F1, BLEU).
+    ``norm``, ``scale``, ``skipped`` or ``bytes`` gives ``None``; else a part ``loss``, ``error``, ``perplexity``,
+    ``mse``, ``mae``, ``rmse``, ``wer``, ``cer`` ..., or one ending in ``loss`` (``logloss``), gives ``"min"``; any
+    other name gives ``"max"`` (accuracy, F1, BLEU).
 
     Example: ``metric_direction("val/loss") == "min"``, ``metric_direction("val/accuracy") == "max"``,
-    ``metric_direction("lr-AdamW") is None``, ``metric_direction("grad_norm") is None``.
+    ``metric_direction("lr-AdamW") is None``, ``metric_direction("grad_norm") is None``,
+    ``metric_direction("optimizer/state_bytes") is None``.
     """
     return torchloom.Monitor.direction(name, default="max")
 
@@ -133,18 +139,33 @@ def batch_size(batch: Any) -> int | None:
 
 @dataclass
 class _Track:
-    """The last and the best value of one logged name."""
+    """The last and the best value of one logged name, and whether its value ever changed."""
 
     direction: str | None
     last: float = math.nan
     last_step: int = 0
     best: float | None = None
     best_step: int | None = None
+    first: float | None = None
+    changed: bool = False  # a value differed from the first one (a constant, or a single value, has no best)
 
     def add(self, value: float, step: int) -> None:
+        if self.first is None:
+            self.first = value
+        elif not self.changed and not _same(value, self.first):
+            self.changed = True
         self.last, self.last_step = value, step
         if self.direction is not None and torchloom.Monitor.is_better(value, self.best, self.direction):
             self.best, self.best_step = value, step  # NaN is never the best value
+
+    def shown_best(self) -> tuple[float | None, int | None]:
+        """The best value and its step, or ``(None, None)`` for a name without a best or whose value never
+        changed."""
+        return (self.best, self.best_step) if self.changed else (None, None)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 class ProgressBar(torchloom.Plugin):
@@ -228,8 +249,8 @@ class ProgressBar(torchloom.Plugin):
         self._run_dir, self._num_processes = run_dir, accelerator.num_processes
         if self.config.terminal is not None:
             self._bar_mode = self.config.terminal
-        else:  # rich's detection: stdout is a terminal that can move the cursor
-            self._bar_mode = self.console.is_terminal and self.console.is_interactive
+        else:  # stdout is a terminal that can redraw a line: torchloom's one rule, rich's detection
+            self._bar_mode = torchloom.is_terminal(self.console.file)
 
     # -------------------------------------------------------------------------------------------- fit
 
@@ -400,8 +421,7 @@ class ProgressBar(torchloom.Plugin):
             bar.stop()  # draws the last frame and gives stdout / stderr back
 
     def _description(self, phase: str = "") -> str:
-        epochs = f"/{self._max_epochs}" if self._max_epochs else ""
-        return f"epoch {self._epoch + 1}{epochs}" + (f" {phase}" if phase else "")
+        return _epoch(self._epoch, self._max_epochs) + (f" {phase}" if phase else "")
 
     def _describe(self, phase: str = "") -> None:
         if self._bar is not None and self._stage == "fit":
@@ -412,8 +432,7 @@ class ProgressBar(torchloom.Plugin):
 
     def _where(self, progress: Any) -> str:
         total = f"/{self._total}" if self._total is not None else ""
-        epochs = f"/{self._max_epochs}" if self._max_epochs else ""
-        return f"epoch {progress.epoch + 1}{epochs}  step {progress.global_step}{total}"
+        return f"{_epoch(progress.epoch, self._max_epochs)}  step {progress.global_step}{total}"
 
     def _plain_training_line(self, metrics: dict[str, float], progress: Any) -> None:
         now = time.perf_counter()
@@ -452,8 +471,8 @@ class ProgressBar(torchloom.Plugin):
             name: {
                 "last": t.last,
                 "last_step": t.last_step,
-                "best": t.best,
-                "best_step": t.best_step,
+                "best": t.shown_best()[0],
+                "best_step": t.shown_best()[1],
                 "direction": t.direction,
             }
             for name, t in self._tracks.items()
@@ -547,6 +566,13 @@ def _counts(steps: int, samples: int | None, train_time: float, wall_time: float
         "steps_per_s": steps / train_time if train_time > 0 else None,
         "wall_time_s": wall_time,
     }
+
+
+def _epoch(epoch: int, max_epochs: int | None) -> str:
+    """``epoch 0/2``: the 0-based index of the epoch (`torchloom.Progress.epoch`, ``epoch`` in ``metrics.jsonl`` and
+    ``torchloom inspect``) out of the index of the last one, as Lightning's ``RichProgressBar`` shows
+    ``current_epoch``."""
+    return f"epoch {epoch}" + (f"/{max_epochs - 1}" if max_epochs else "")
 
 
 def _short(value: float) -> str:

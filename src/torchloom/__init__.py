@@ -48,9 +48,11 @@ _EXPORTS = {
     "hookspec": "torchloom.hookspecs",
     "inspect_path": "torchloom._inspect",
     "installed_plugins": "torchloom.plugins",
+    "is_terminal": "torchloom._output",
     "json_dumps": "torchloom._strict_json",
     "load_plugin_state": "torchloom.state",
     "prune_checkpoints": "torchloom.checkpoint",
+    "quiet_libraries": "torchloom._output",
     "RankAgreement": "torchloom._agreement",
     "rank_agreement": "torchloom._context",
     "request_stop": "torchloom._context",
@@ -93,9 +95,11 @@ __all__ = [
     "hookspec",
     "inspect_path",
     "installed_plugins",
+    "is_terminal",
     "json_dumps",
     "load_plugin_state",
     "prune_checkpoints",
+    "quiet_libraries",
     "rank_agreement",
     "request_stop",
     "save_checkpoint",
@@ -128,6 +132,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._lineage import Resumed
     from torchloom._memory_plan import estimate_memory
     from torchloom._names import INTERNAL_PREFIX
+    from torchloom._output import is_terminal, quiet_libraries
     from torchloom._strict_json import json_dumps
     from torchloom.checkpoint import delete_checkpoint, prune_checkpoints
     from torchloom.config import EngineConfig

@@ -22,6 +22,7 @@ from torchloom._fit_state import FitState
 from torchloom._lifetime import RunStarter
 from torchloom._logging import RunLog
 from torchloom._loop import FitLoop, Start
+from torchloom._output import quiet_libraries
 from torchloom._runfiles import MetricsFile, config_dict, discard_run_dir, write_predictions
 from torchloom._setup import Run, engine_relay
 from torchloom.config import EngineConfig
@@ -37,6 +38,10 @@ __all__ = ["Engine"]
 
 class Engine:
     """Runs a `TaskModule` with plugins over one `accelerate.Accelerator`.
+
+    ``fit``, ``validate`` and ``predict`` run inside `torchloom.quiet_libraries`: when stderr is not a terminal,
+    the progress bars of ``datasets``, transformers and ``huggingface_hub`` and transformers' colour codes stay out
+    of the output during the call, unless the user set those libraries' own variables or verbosity.
 
     Args:
         config (`EngineConfig`, *optional*): the loop settings; or pass them as keyword arguments.
@@ -113,6 +118,7 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- fit
 
+    @quiet_libraries()  # off a terminal, no library progress bars or colour codes during the call
     def fit(
         self,
         task: TaskModule,
@@ -168,6 +174,7 @@ class Engine:
 
     # --------------------------------------------------------------------------------- validate / predict
 
+    @quiet_libraries()
     def validate(
         self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None
     ) -> dict[str, float]:
@@ -187,6 +194,7 @@ class Engine:
             validation_pass(task, run, self.logs, progress)
             return self.logs.report(self.logs.val, run, progress)[0]
 
+    @quiet_libraries()
     def predict(
         self,
         task: TaskModule,

@@ -73,7 +73,7 @@ PROJECT_NAME = "torchloom"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
-#: ``log(name, value, weight=1.0)``: buffer a value on its device; see `TaskModule.log`.
+#: ``log(name, value, weight=1.0, reduce="mean")``: buffer a value on its device; see `TaskModule.log`.
 LogFn = Callable[..., None]
 
 
@@ -235,7 +235,7 @@ def on_fit_start(
     :param optimizer: the prepared optimizer (`accelerate.optimizer.AcceleratedOptimizer`).
     :param scheduler: the learning-rate scheduler, or ``None``.
     :param progress: counters at the start (all zero; a resumed fit's, as its checkpoint saved them).
-    :param log: buffers a value for logging; see `TaskModule.log`.
+    :param log: ``log(name, value, weight=1.0, reduce="mean")`` buffers a value for logging, as `TaskModule.log` does.
     :param resumed: what a resumed fit continues (`torchloom.Resumed`: the chain of runs, the values they
         logged up to the checkpoint, the whole training's samples and times); ``None`` when the fit starts from
         scratch. Write the earlier values to a tracker here (the ``trackers`` plugin does).
@@ -378,7 +378,7 @@ def before_optimizer_step(
     :param optimizer: the prepared optimizer.
     :param accelerator: the run's Accelerator.
     :param progress: counters of the window's last micro-batch.
-    :param log: buffers a value for logging (e.g. ``grad_norm``).
+    :param log: ``log(name, value, weight=1.0, reduce="mean")`` buffers a value for logging (e.g. ``grad_norm``).
 
     **Ordering:** gradient rescaling must run before clipping: mark it ``tryfirst``.
 
@@ -411,7 +411,7 @@ def after_optimizer_step(
     :param scheduler: the learning-rate scheduler, or ``None``.
     :param accelerator: the run's Accelerator.
     :param progress: counters of the window's last micro-batch.
-    :param log: buffers a value for logging.
+    :param log: ``log(name, value, weight=1.0, reduce="mean")`` buffers a value for logging.
     """
 
 
@@ -429,7 +429,7 @@ def on_train_batch_end(
     :param accelerator: the run's Accelerator; ``accelerator.sync_gradients`` tells whether an optimizer
         step just happened.
     :param progress: counters for this micro-batch (``global_step`` not yet incremented).
-    :param log: buffers a value for logging.
+    :param log: ``log(name, value, weight=1.0, reduce="mean")`` buffers a value for logging.
     """
 
 
@@ -457,7 +457,7 @@ def on_train_epoch_end(accelerator: Accelerator, progress: Progress, log: LogFn)
 
     :param accelerator: the run's Accelerator.
     :param progress: counters after the epoch's last micro-batch.
-    :param log: buffers a value for logging.
+    :param log: ``log(name, value, weight=1.0, reduce="mean")`` buffers a value for logging.
     """
 
 
@@ -516,7 +516,7 @@ def on_validation_end(
     :param model: the prepared model.
     :param accelerator: the run's Accelerator.
     :param progress: counters at the time of validation.
-    :param log: buffers a value for logging.
+    :param log: ``log(name, value, weight=1.0, reduce="mean")`` buffers a value for logging.
     """
 
 
@@ -611,7 +611,7 @@ def on_train_end(
     :param task: the user's task.
     :param model: the prepared model; parameters may be modified in place.
     :param progress: the final counters.
-    :param log: buffers a value for logging.
+    :param log: ``log(name, value, weight=1.0, reduce="mean")`` buffers a value for logging.
 
     **Example:**
 

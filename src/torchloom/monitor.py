@@ -57,7 +57,7 @@ HIGHER_IS_BETTER = frozenset(
     }
 )
 #: Name parts of values that describe the run's state, not a result: they have no best and no expected mode.
-NO_BEST = frozenset({"lr", "learning", "norm", "scale", "skipped"})
+NO_BEST = frozenset({"lr", "learning", "norm", "scale", "skipped", "bytes"})
 _HIGHER_SUFFIXES = ("accuracy", "precision", "recall", "auroc", "f1score")
 _PARTS = re.compile(r"[/._\-\s]+")
 
@@ -198,7 +198,7 @@ class Monitor:
         result), or ``default`` for a name that reads as neither.
 
         The name is split into parts at ``/``, ``.``, ``_``, ``-`` and spaces, case-insensitively. A part in
-        `NO_BEST` (``lr``, ``learning``, ``norm``, ``scale``, ``skipped``) gives ``None``; else a part in
+        `NO_BEST` (``lr``, ``learning``, ``norm``, ``scale``, ``skipped``, ``bytes``) gives ``None``; else a part in
         `LOWER_IS_BETTER` (``loss``, ``error``, ``perplexity``, ``mse``, ``mae``, ``rmse``, ``wer``, ``cer`` ...) or
         one ending in ``loss`` gives ``"min"``; else a part in `HIGHER_IS_BETTER` (``accuracy``, ``f1``, ``auroc``,
         ``precision``, ``recall``, ``bleu`` ...) or one ending in ``accuracy``, ``precision``, ``recall``, ``auroc``

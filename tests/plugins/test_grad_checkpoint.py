@@ -7,6 +7,7 @@ Cases C06 and C07 of shared/cases/README.md, run through `torchloom.Engine`.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -247,3 +248,44 @@ def test_the_settings_class_has_a_name_of_its_own_and_the_old_one_still_imports(
     assert GradientCheckpointing.Config is GradientCheckpointingConfig and "CheckpointConfig" not in module.__all__
     with pytest.warns(DeprecationWarning, match="now GradientCheckpointingConfig"):
         assert module.CheckpointConfig is GradientCheckpointingConfig
+
+
+def test_hf_checkpointing_turns_use_cache_off_for_training_only(tmp_path, caplog):
+    """As the HF Trainer does, a checkpointed transformers model trains with ``use_cache = False`` (so transformers
+    logs no "use_cache=True is incompatible with gradient checkpointing" note); the value is back before the model
+    is saved, so its config.json keeps ``use_cache: true``."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    assert config.use_cache is True
+
+    class TinyLM(torchloom.TaskModule):
+        def configure_model(self) -> torch.nn.Module:
+            return transformers.GPT2LMHeadModel(config)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(self.model.config.use_cache)
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(TensorDataset(torch.randint(0, 32, (4, 12))), batch_size=2)
+
+    seen: list[bool] = []
+    task = TinyLM()
+    notes = logging.getLogger("transformers")  # transformers' root logger does not propagate (outside CI)
+    notes.addHandler(caplog.handler)
+    try:
+        plugins = [GradientCheckpointing(modules="hf")]
+        tiny_fit(plugins, task=task, max_steps=2, output_dir=str(tmp_path), save_model=True)
+    finally:
+        notes.removeHandler(caplog.handler)
+    assert seen == [False, False]
+    assert task.model.config.use_cache is True
+    saved = json.loads((tmp_path / "latest" / "model" / "config.json").read_text())
+    assert saved["use_cache"] is True
+    assert not [r for r in caplog.records if "use_cache" in r.getMessage()]

@@ -8,8 +8,10 @@ its 8-bit blockwise Adam on CPU, so C16's state dtypes are checked here, not ski
 
 from __future__ import annotations
 
+import re
 import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -466,7 +468,15 @@ def test_the_plugin_answers_the_memory_estimate_for_every_name_it_builds(tmp_pat
 
 
 def test_an_8bit_optimizer_without_bitsandbytes_names_the_extra(monkeypatch):
+    """The hint is the README's install line with the extra that carries bitsandbytes."""
+    from torchloom_plugins.optimizer import INSTALL_8BIT
+
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # find_spec answers None: not installed
-    with pytest.raises(torchloom.ConfigError, match=r"optimizer 'adamw8bit' needs bitsandbytes.*torchloom\[8bit\]"):
+    with pytest.raises(torchloom.ConfigError, match=r"optimizer 'adamw8bit' needs bitsandbytes") as raised:
         torchloom.Engine(plugins={"optimizer": {"name": "adamw8bit"}})
     torchloom.Engine(plugins={"optimizer": {"name": "adamw"}})  # the others do not need it
+    assert INSTALL_8BIT in str(raised.value)
+    root = Path(__file__).resolve().parents[2]
+    assert re.search(r'^8bit = \["bitsandbytes', (root / "pyproject.toml").read_text(), re.MULTILINE)
+    readme_line = INSTALL_8BIT.replace('".[8bit]"', '".[examples]"')
+    assert readme_line in (root / "README.md").read_text(), "the README installs torchloom another way now"

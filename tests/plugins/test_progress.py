@@ -183,6 +183,38 @@ def test_summary_has_the_last_and_best_value_of_every_metric_and_exact_counts(tm
     assert "model: not saved (engine setting save_model: false)" in out
 
 
+class ConstantsAndSizes:
+    """Logs a result that never changes (``val/majority_rate``), a byte count, and a result logged once."""
+
+    name = "test.constants"
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    @torchloom.hookimpl
+    def on_validation_end(self, log) -> None:
+        log("val/majority_rate", 0.625)
+        log("val/cache_bytes", 1000.0 * (self.passes + 1))  # grows: still a size, not a result
+        if self.passes == 0:
+            log("val/once_accuracy", 0.75)
+        self.passes += 1
+
+
+def test_no_best_for_a_value_that_never_changed_nor_for_a_byte_count(tmp_path, capsys) -> None:
+    """A best says something only for a result that varied: a constant, a value logged once and a size in bytes
+    get ``-`` in the table and ``best: null`` in summary.json; a result that changed keeps its best."""
+    engine, _ = fit(tmp_path, None, ConstantsAndSizes())
+    out = capsys.readouterr().out
+    metrics = json.loads((Path(engine.run_dir) / "summary.json").read_text())["metrics"]
+    assert metric_direction("val/cache_bytes") is None and metric_direction("optimizer/state_bytes") is None
+    for name in ("val/majority_rate", "val/cache_bytes", "val/once_accuracy"):
+        assert (metrics[name]["best"], metrics[name]["best_step"]) == (None, None), name
+        assert table_row(out, name)[2:] == ["-", ""], name
+    assert metrics["val/majority_rate"]["direction"] == "max"  # a result: only its constant value has no best
+    assert metrics["val/cache_bytes"]["last"] == 3000.0
+    assert metrics["val/loss"]["best"] is not None  # a result that changed
+
+
 def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys) -> None:
     engine, _ = fit(tmp_path)
     out = capsys.readouterr().out
@@ -190,7 +222,7 @@ def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys) -> None:
     lines = [line for line in out.splitlines() if line.startswith(("epoch ", "validation "))]
     expected = []
     for record in engine.history:  # every on_log in order: training values, then each pass's validation values
-        where = f"epoch {record['epoch'] + 1}/3  step {record['step']}/9"
+        where = f"epoch {record['epoch']}/2  step {record['step']}/9"  # the epoch numbered as in the history
         if "train/loss" in record:
             expected.append(rf"{where}  loss {re.escape(format(record['train/loss'], '.4g'))}  [\d.]+ steps/s  ETA ")
         else:
@@ -204,7 +236,7 @@ def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys) -> None:
 
 def test_plain_every_n_seconds_holds_lines_back_until_the_next_validation(tmp_path, capsys) -> None:
     engine, _ = fit(tmp_path, {"plain_every_n_seconds": 3600})
-    steps = [int(m) for m in re.findall(r"^epoch \d/3  step (\d+)/9  loss", capsys.readouterr().out, re.MULTILINE)]
+    steps = [int(m) for m in re.findall(r"^epoch \d/2  step (\d+)/9  loss", capsys.readouterr().out, re.MULTILINE)]
     # The first line; then each validation line comes after the latest training line that was held back.
     assert steps == [1, 3, 6, 9]
     assert len(history(engine, "train/loss")) == 9
@@ -218,7 +250,7 @@ def test_a_validation_that_logs_nothing_does_not_turn_training_lines_into_valida
     _, plugin = fit(tmp_path, None, task=Silent(n=10))
     out = capsys.readouterr().out
     assert "validation " not in out
-    assert len(re.findall(r"^epoch \d/3  step \d/9  loss ", out, re.MULTILINE)) == 9
+    assert len(re.findall(r"^epoch \d/2  step \d/9  loss ", out, re.MULTILINE)) == 9
     assert set(plugin.summary["metrics"]) == {"train/loss"}
 
 
@@ -233,7 +265,7 @@ def test_a_fit_of_unknown_length_shows_no_total_and_no_eta(tmp_path, capsys) -> 
 
     _, plugin = fit(tmp_path, task=StreamTask(validate=False), max_epochs=1)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")]
-    assert [line.split("  loss")[0] for line in lines] == ["epoch 1/1  step 1", "epoch 1/1  step 2"]
+    assert [line.split("  loss")[0] for line in lines] == ["epoch 0/0  step 1", "epoch 0/0  step 2"]
     assert not any("ETA" in line for line in lines)
     assert plugin.summary["samples"] == 8 and plugin.summary["optimizer_steps"] == 2
 
@@ -272,7 +304,7 @@ def test_a_terminal_gets_a_live_bar_and_the_table(tmp_path, capsys, a_terminal) 
     assert sys.stdout is stdout  # the bar gave stdout back
     assert "\x1b[?25l" in out and "\x1b[?25h" in out  # the cursor hidden while the bar is drawn, then shown
     assert "\x1b[2K" in out  # the bar redrawn in place
-    final = out[out.rindex("epoch 3/3") : out.index("fit summary")]
+    final = out[out.rindex("epoch 2/2") : out.index("fit summary")]
     assert re.search(r"9/9.*loss .*steps/s.*ETA", final), final  # the last frame: every step done
     last_loss = [h["train/loss"] for h in engine.history if "train/loss" in h][-1]
     assert f"loss {last_loss:.4g}" in final  # the last training loss logged
@@ -391,9 +423,9 @@ def test_the_command_enables_it_by_default(tmp_path) -> None:
     }
     out = proc.stdout
     assert ANSI not in out  # a pipe: plain lines
-    training = re.findall(r"^epoch (\d)/2  step (\d+)/16  loss ", out, re.MULTILINE)
-    assert training == [(str(1 + (s - 1) // 8), str(s)) for s in range(2, 17, 2)]
-    assert len(re.findall(r"^validation  epoch \d/2  step (?:8|16)/16  val/loss ", out, re.MULTILINE)) == 2
+    training = re.findall(r"^epoch (\d)/1  step (\d+)/16  loss ", out, re.MULTILINE)
+    assert training == [(str((s - 1) // 8), str(s)) for s in range(2, 17, 2)]
+    assert len(re.findall(r"^validation  epoch \d/1  step (?:8|16)/16  val/loss ", out, re.MULTILINE)) == 2
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["optimizer_steps"] == 16 and summary["samples"] == 64
     assert table_row(out, "val/loss")[1] == f"{summary['metrics']['val/loss']['last']:.6g}"
@@ -449,7 +481,7 @@ def test_two_processes_print_once_and_count_the_samples_of_both(tmp_path) -> Non
     out = proc.stdout
     # 32 samples, batch 4 per process, 2 processes: 4 optimizer steps per epoch; each line and the table once.
     assert out.count("fit summary") == 1
-    assert re.findall(r"^epoch \d/2  step (\d)/8  loss", out, re.MULTILINE) == ["2", "4", "6", "8"]
+    assert re.findall(r"^epoch \d/1  step (\d)/8  loss", out, re.MULTILINE) == ["2", "4", "6", "8"]
     assert out.count("validation  epoch") == 2
     summary = json.loads((tmp_path / "runs" / "version_0" / "summary.json").read_text())
     assert summary["optimizer_steps"] == 8 and summary["samples"] == 2 * 32

@@ -44,12 +44,13 @@ loader), ``_run`` (what the run commands share) and ``_environment`` (``sys.path
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from torchloom import TorchloomError, TrainingInterrupted
+from torchloom import TorchloomError, TrainingInterrupted, quiet_libraries
 
 from ._config import load_run_config
 from ._environment import put_config_dir_on_path, quiet_other_processes
@@ -63,10 +64,17 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchloom`` console script. Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    # A run owns its process: off a terminal, libraries imported later start without progress bars. Before
+    # quiet_other_processes, whose variables are the command's, not a user's choice.
+    with quiet_libraries(os.environ) if command in RUN_COMMANDS else contextlib.nullcontext():
+        return _main(argv, command)
+
+
+def _main(argv: list[str], command: str | None) -> int:
     quiet_other_processes(os.environ)
     put_config_dir_on_path(argv)
     try:
-        command = next((a for a in argv if not a.startswith("-")), None)
         # The run commands' parsers import torch (they describe TaskModule / DataModule); the others start without.
         full = command in RUN_COMMANDS or (command == "plugins" and any(a.startswith("--config") for a in argv))
         parser, run_parsers = build_parser(run_commands=full)

@@ -128,8 +128,9 @@ class AudioClassificationData(CachedDataModule):
         cache_hit (`bool` or ``None``): after ``prepare_data``: whether the splits were loaded from the cache.
         cache_path (`pathlib.Path` or ``None``): the cache entry in use.
         label_names (`list[str]`): after ``setup``: the class names, in id order.
-        train_dataset, val_dataset (`datasets.Dataset` or ``None``): after ``setup``: the processed splits, in
-            torch format.
+        train_dataset (`datasets.Dataset` or ``None``): after ``setup``: the processed training split, in torch
+            format.
+        val_dataset (`datasets.Dataset` or ``None``): the same for the validation split.
 
     Raises:
         ConfigError: a bad setting (names it, its value and what is valid); and, from ``prepare_data``, a

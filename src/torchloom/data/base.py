@@ -116,7 +116,8 @@ class CachedDataModule(DataModule, abc.ABC):
         cache_path (`pathlib.Path` or ``None``): the cache entry in use.
         label_names (`list[str]`): after ``setup``: the class names, in id order.
         label_names_setting (`list[str]` or ``None``): the ``label_names`` argument, validated.
-        train_dataset, val_dataset (`datasets.Dataset` or ``None``): after ``setup``: the processed splits.
+        train_dataset (`datasets.Dataset` or ``None``): after ``setup``: the processed training split.
+        val_dataset (`datasets.Dataset` or ``None``): after ``setup``: the processed validation split.
 
     Raises:
         ConfigError: a bad setting (names the class, the setting, its value and what is valid).

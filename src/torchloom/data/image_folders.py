@@ -41,8 +41,8 @@ def read_image_folder(
 
     Args:
         root (`str` or `os.PathLike`): the folder.
-        image_column (`str`, defaults to ``"image"``), label_column (`str`, defaults to ``"label"``): the
-            columns to create.
+        image_column (`str`, defaults to ``"image"``): the name of the column of image paths.
+        label_column (`str`, defaults to ``"label"``): the name of the label column.
         label_names (`Sequence[str]`, *optional*): the classes in id order; every sub-folder must be one of them
             (a validation folder may lack some). Defaults to the sorted sub-folder names.
         name (`str`, defaults to ``"data"``): what to call it in error messages.

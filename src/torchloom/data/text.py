@@ -223,7 +223,8 @@ class TextData(CachedDataModule):
         **settings: the settings of `CachedDataModule` (``label_column``, ``batch_size``, ``cache_dir`` ...).
 
     Attributes:
-        tokenizer_name (`str` or `os.PathLike`), tokenizer_revision (`str` or ``None``): the arguments.
+        tokenizer_name (`str` or `os.PathLike`): the ``tokenizer`` argument.
+        tokenizer_revision (`str` or ``None``): the ``tokenizer_revision`` argument.
     """
 
     train_description = "the training table (a path or a table)"
@@ -328,7 +329,8 @@ class TextClassificationData(TextData):
         cache_hit (`bool` or ``None``): after ``prepare_data``: whether the splits were loaded from the cache.
         cache_path (`pathlib.Path` or ``None``): the cache entry in use.
         label_names (`list[str]`): after ``setup``: the class names, in id order.
-        train_dataset, val_dataset (`datasets.Dataset` or ``None``): after ``setup``: the tokenised splits.
+        train_dataset (`datasets.Dataset` or ``None``): after ``setup``: the tokenised training split.
+        val_dataset (`datasets.Dataset` or ``None``): after ``setup``: the tokenised validation split.
 
     Raises:
         ConfigError: a bad setting (names it, its value and what is valid); and, from ``prepare_data``, a
