@@ -342,8 +342,8 @@ class PromptCompletionData(CausalLMData):
     """Prompt / completion pairs: the sequence is (BOS and) the prompt's tokens, then the completion's (and EOS).
 
     Args:
-        prompt_column (`str`, defaults to ``"prompt"``), completion_column (`str`, defaults to ``"completion"``):
-            the two texts (the completion must not be empty).
+        prompt_column (`str`, defaults to ``"prompt"``): the prompt texts.
+        completion_column (`str`, defaults to ``"completion"``): the completion texts (none may be empty).
         completion_only (`bool`, defaults to True): take the loss on the completion only (the prompt's labels are
             -100); False: on every token.
         **settings: those of `CausalLMData` (``truncation="truncate_prompt"`` cuts the start of the prompt).
