@@ -293,3 +293,12 @@ def test_two_processes_shard_one_order_and_resume_exactly(tmp_path) -> None:
         assert r["c_params"] == r["a_params"]
         assert "it stopped after 24 samples of epoch 0" in r["refused"]
         assert "group_by_length changed from True to False" in r["refused"]
+
+
+@pytest.mark.parametrize("cls", [TextClassificationData, LanguageModelingData, PromptCompletionData])
+def test_a_config_file_sets_group_by_length(cls) -> None:
+    jsonargparse = pytest.importorskip("jsonargparse")
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "data")
+    config = parser.parse_args(["--data.train=t.jsonl", f"--data.tokenizer={MODEL_DIR}", "--data.group_by_length=true"])
+    assert config.data.group_by_length is True
