@@ -11,7 +11,8 @@ A resume continues exactly where the rule allows and refuses otherwise (`resume_
 - at the end of an epoch, the next epoch starts from its first sample: the data may have changed (another
   dataset size or batch size): nothing is skipped or repeated;
 - inside an epoch, the rest of the epoch is the rest of the same order: the dataset size and the sampler
-  (shuffled or not) must be the checkpoint's (its seed is taken from the checkpoint), and the samples done must
+  (shuffled or not; length-grouped or not, and then with the same megabatch and row lengths) must be the
+  checkpoint's (its seed is taken from the checkpoint), and the samples done must
   be a whole number of the new global batches (24 samples done continue as batches of 8 or 3, not of 5);
   otherwise the resume is refused with one `torchloom.CheckpointError` naming the change.
 
@@ -42,6 +43,9 @@ class DataOrder:
         sampler (`str`): the sampler's class (``RandomSampler`` shuffles, ``SequentialSampler`` does not).
         sampler_seed (`int` or ``None``): the seed the sampler draws each epoch's permutation from (``seed +
             epoch``; Accelerate's ``SeedableRandomSampler``), ``None`` when it has none.
+        sampler_order (`dict` or ``None``): what else defines the sampler's order, from its ``order_settings()``
+            (`torchloom.data.LengthGroupedSampler`: ``group_by_length``, the megabatch size, a hash of the rows'
+            lengths); ``None`` for a sampler without one (and in checkpoints written before it was recorded).
     """
 
     dataset_length: int | None
@@ -50,12 +54,14 @@ class DataOrder:
     world_size: int
     sampler: str
     sampler_seed: int | None
+    sampler_order: dict[str, Any] | None = None
 
 
 def data_order(loader: Any, world_size: int) -> DataOrder:
     """The `DataOrder` of a prepared training dataloader (an Accelerate ``DataLoaderShard``, or any DataLoader)."""
     sampler = get_sampler(loader)
     seed = getattr(sampler, "initial_seed", None)
+    settings = sampler.order_settings() if callable(getattr(sampler, "order_settings", None)) else None
     return DataOrder(
         dataset_length=_length(getattr(loader, "dataset", None)),
         total_batch_size=_total_batch_size(loader, world_size),
@@ -63,21 +69,26 @@ def data_order(loader: Any, world_size: int) -> DataOrder:
         world_size=world_size,
         sampler=type(sampler).__name__,
         sampler_seed=seed if isinstance(seed, int) else None,
+        sampler_order=settings,
     )
 
 
 def position(epoch: int, batches_done: int, epoch_finished: bool, order: DataOrder) -> dict[str, Any]:
     """The data position a checkpoint records: the epoch, the batches done in it on each process, the samples of
-    its global order done (``None`` when the batch size is not fixed), whether it is finished, and the order."""
+    its global order done (``None`` when the batch size is not fixed), whether it is finished, and the order
+    (``sampler_order`` only where the sampler has one)."""
     samples = None if order.total_batch_size is None else batches_done * order.total_batch_size
     if samples is not None and order.dataset_length is not None:
         samples = min(samples, order.dataset_length)  # a last, smaller batch
+    recorded = asdict(order)
+    if recorded["sampler_order"] is None:
+        del recorded["sampler_order"]  # a sampler without order settings: as checkpoints recorded it before
     return {
         "epoch": epoch,
         "batches_done": batches_done,
         "samples_done": samples,
         "epoch_finished": epoch_finished,
-        "order": asdict(order),
+        "order": recorded,
     }
 
 
@@ -99,6 +110,7 @@ def layout_problems(saved: dict[str, Any], order: DataOrder) -> list[str]:
     for key, what in (("dataset_length", "the training dataset's size"), ("sampler", "the training sampler")):
         if before.get(key) != now[key]:
             changes.append(f"{what} changed from {before.get(key)} to {now[key]}")
+    changes += _grouping_changes(before.get("sampler_order"), now["sampler_order"])
     if changes:
         return [
             f"{where}, and {' and '.join(changes)}, so the rest of that epoch's order is another one (samples would "
@@ -137,6 +149,23 @@ def resume_point(saved: dict[str, Any], order: DataOrder) -> tuple[int, int]:
     if samples is None or order.total_batch_size is None:  # no fixed batch size: the same batches, as counted
         return epoch, saved["batches_done"]
     return epoch, samples // order.total_batch_size
+
+
+def _grouping_changes(before: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:
+    """How the sampler's own order settings changed (``group_by_length``, its megabatch, the rows' lengths)."""
+    before, now = before or {}, now or {}
+    was, is_ = bool(before.get("group_by_length")), bool(now.get("group_by_length"))
+    if was != is_:
+        return [f"group_by_length changed from {was} to {is_}"]
+    changes = []
+    if before.get("megabatch") != now.get("megabatch"):
+        changes.append(
+            f"the length groups changed (megabatch of {before.get('megabatch')} rows -> {now.get('megabatch')}: "
+            "another batch size)"
+        )
+    if before.get("lengths") != now.get("lengths"):
+        changes.append("the rows' lengths changed (another tokenizer, max_length or data)")
+    return changes
 
 
 def _epoch_done(saved: dict[str, Any]) -> bool:

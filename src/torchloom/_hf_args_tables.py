@@ -166,7 +166,10 @@ REASONS: dict[str, str] = {
     "dataloader_multiprocessing_context": _DATALOADER,
     "dataloader_in_order": _DATALOADER,
     "train_sampling_strategy": "the sampler belongs to your DataModule's train_dataloader",
-    "group_by_length": "the sampler belongs to your DataModule's train_dataloader",
+    "group_by_length": (
+        "a data-module setting: group_by_length: true on torchloom's text data modules (TextClassificationData, "
+        "LanguageModelingData, PromptCompletionData, ChatData)"
+    ),
     "remove_unused_columns": _COLUMNS,
     "label_names": _COLUMNS,
     "length_column_name": _COLUMNS,

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import get_sampler
 from accelerate.utils import DistributedType, set_seed
 
 from torchloom._agreement import RankAgreement
@@ -102,6 +103,7 @@ def prepare_run(
             )
         optimizer, scheduler = _configure_optimizers(task, model, relay, accelerator)
         model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+        _seed_sampler(train_dl, config.seed)
         # The scheduler is stepped by the default step once per real optimizer step, so it is not prepared
         # (Accelerate would step it num_processes times per call). Checkpoints keep its state as JSON
         # (torchloom.checkpoint), not as a custom object of Accelerate's, which would be unpickled on load.
@@ -114,6 +116,22 @@ def prepare_run(
         start_run_files(run_dir, run_config)
     agreement = RankAgreement(accelerator.num_processes)
     return Run(accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl, run_dir, agreement)
+
+
+def _seed_sampler(loader: Any, seed: int | None) -> None:
+    """Give a sampler that asks for it (``engine_seeded``: `torchloom.data.LengthGroupedSampler`) the engine's
+    ``seed``, which Accelerate gives only the `RandomSampler` it replaces with its seedable one, so that epoch ``e``
+    is drawn from ``seed + e`` as a shuffle is; and record it where ``get_sampler`` finds it on several processes
+    (Accelerate does so only for that sampler), for the checkpoint's `DataOrder` and a resume's seed."""
+    sampler = get_sampler(loader)
+    if sampler is None:  # several processes: the sampler is that of the batch sampler BatchSamplerShard wraps
+        sampler = getattr(getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None), "sampler", None)
+    if not getattr(sampler, "engine_seeded", False):
+        return
+    if get_sampler(loader) is not sampler:
+        loader.set_sampler(sampler)
+    if seed is not None:
+        sampler.initial_seed = seed
 
 
 #: Set-ups whose wrapper holds (shards) the weights: ``validate`` / ``predict`` prepare the model in full there.

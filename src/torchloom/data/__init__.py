@@ -64,6 +64,10 @@ if TYPE_CHECKING:
         count_loss_tokens,
         pack_best_fit,
     )
+    from torchloom.data.sampling import (
+        LengthGroupedSampler,
+        length_grouped_indices,
+    )
     from torchloom.data.tables import (
         encode_labels,
         read_table,
@@ -109,6 +113,8 @@ _LAZY = {
     "preprocess_images": "torchloom.data.image_transforms",
     "random_crop": "torchloom.data.image_transforms",
     "random_horizontal_flip": "torchloom.data.image_transforms",
+    "LengthGroupedSampler": "torchloom.data.sampling",
+    "length_grouped_indices": "torchloom.data.sampling",
     "encode_labels": "torchloom.data.tables",
     "read_table": "torchloom.data.tables",
     "require_column": "torchloom.data.tables",
@@ -136,6 +142,7 @@ __all__ = [
     "ImageClassificationData",
     "ImageTransform",
     "LanguageModelingData",
+    "LengthGroupedSampler",
     "LogMelSpectrogram",
     "PromptCompletionData",
     "TextClassificationData",
@@ -153,6 +160,7 @@ __all__ = [
     "fix_length",
     "image_data_fingerprint",
     "image_table",
+    "length_grouped_indices",
     "load_image",
     "load_image_processor",
     "load_tokenizer",

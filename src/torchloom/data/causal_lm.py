@@ -72,6 +72,9 @@ class CausalLMData(TextData):
         add_bos (`bool`, defaults to True): start every sequence (a document, a prompt) with the tokenizer's BOS
             token, where it has one (Llama's and Mistral's do; chat sequences start as the template renders them).
         pad_to_multiple_of (`int`, *optional*): pad each batch's length up to a multiple of this.
+        group_by_length (`bool`, defaults to False): batch training sequences of similar length together (the HF
+            Trainer's ``group_by_length``; see `TextData`); refused with ``packing=True`` (and ``concatenate=True``),
+            whose rows all have about ``max_length`` tokens.
         **settings: the settings of `CachedDataModule` (``batch_size``, ``shuffle``, ``cache_dir`` ...).
 
     Attributes:
@@ -109,6 +112,10 @@ class CausalLMData(TextData):
         for name, flag in (("packing", packing), ("append_eos", append_eos), ("add_bos", add_bos)):
             if not isinstance(flag, bool):
                 raise invalid(name, flag, "true or false", owner=owner)
+        if packing and settings.get("group_by_length"):
+            raise invalid(
+                "group_by_length", True, "false with packing=True (packed rows are all about max_length)", owner=owner
+            )
         self.check_count("pad_to_multiple_of", pad_to_multiple_of, optional=True)
         super().__init__(train, validation, tokenizer=tokenizer, label_column=None, **settings)
         self.max_length, self.truncation, self.packing = max_length, truncation, packing
@@ -310,6 +317,13 @@ class LanguageModelingData(CausalLMData):
         if concatenate and settings.get("packing"):
             raise invalid(
                 "packing", True, "false with concatenate=True (blocks are full already)", owner=type(self).__name__
+            )
+        if concatenate and settings.get("group_by_length"):
+            raise invalid(
+                "group_by_length",
+                True,
+                "false with concatenate=True (every block has max_length tokens)",
+                owner=type(self).__name__,
             )
         super().__init__(train, validation, **settings)
         self.text_column, self.concatenate = text_column, concatenate

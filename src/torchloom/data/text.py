@@ -26,15 +26,20 @@ from typing import Any, TypeAlias
 
 import datasets
 import huggingface_hub
+import numpy as np
 import pandas as pd
 import pyarrow
+import pyarrow.compute
 import tokenizers
+import torch
 import transformers
+from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from torchloom._settings import invalid
 from torchloom.data.base import CachedDataModule
 from torchloom.data.cache import cache_key, fingerprint
+from torchloom.data.sampling import LengthGroupedSampler
 from torchloom.data.tables import TABLE_READERS as TABLE_READERS  # the names text.py had before tables.py
 from torchloom.data.tables import TableSource, encode_labels, read_table, require_column, resolve_label_names
 from torchloom.errors import ConfigError
@@ -220,11 +225,16 @@ class TextData(CachedDataModule):
         validation (*optional*): the validation table, same kinds.
         tokenizer (`str` or `os.PathLike`): a local model/tokenizer directory or a Hub id (`load_tokenizer`).
         tokenizer_revision (`str`, *optional*): the Hub revision of ``tokenizer``.
+        group_by_length (`bool`, defaults to False): batch training rows of similar length together
+            (`torchloom.data.LengthGroupedSampler`, the HF Trainer's ``group_by_length``): each epoch a seeded
+            random order, cut into megabatches of 50 batches sorted by length, the longest row first; less
+            padding per batch. Needs ``shuffle=True``; validation stays in order.
         **settings: the settings of `CachedDataModule` (``label_column``, ``batch_size``, ``cache_dir`` ...).
 
     Attributes:
         tokenizer_name (`str` or `os.PathLike`): the ``tokenizer`` argument.
         tokenizer_revision (`str` or ``None``): the ``tokenizer_revision`` argument.
+        group_by_length (`bool`): the argument.
     """
 
     train_description = "the training table (a path or a table)"
@@ -237,12 +247,21 @@ class TextData(CachedDataModule):
         *,
         tokenizer: str | os.PathLike[str] | None = None,
         tokenizer_revision: str | None = None,
+        group_by_length: bool = False,
         **settings: Any,
     ) -> None:
+        owner = type(self).__name__
         if tokenizer is None or not isinstance(tokenizer, str | os.PathLike) or not os.fspath(tokenizer):
-            raise invalid("tokenizer", tokenizer, "a model/tokenizer directory or a Hub id", owner=type(self).__name__)
+            raise invalid("tokenizer", tokenizer, "a model/tokenizer directory or a Hub id", owner=owner)
+        if not isinstance(group_by_length, bool):
+            raise invalid("group_by_length", group_by_length, "true or false", owner=owner)
+        if group_by_length and settings.get("shuffle") is False:
+            raise invalid(
+                "group_by_length", True, "false with shuffle=False (length groups come in a random order)", owner=owner
+            )
         super().__init__(train, validation, **settings)
         self.tokenizer_name, self.tokenizer_revision = tokenizer, tokenizer_revision
+        self.group_by_length = group_by_length
         self._tokenizer: PreTrainedTokenizerBase | None = None
 
     @property
@@ -255,6 +274,30 @@ class TextData(CachedDataModule):
     def read_split(self, split: str, source: TextSource) -> datasets.Dataset:
         """The table of ``split`` (`read_table`)."""
         return read_table(source, self.split_name(split))
+
+    def row_lengths(self, dataset: datasets.Dataset) -> np.ndarray:
+        """The tokens of every row of a set-up split (its ``length`` column where it has one, else the length of
+        its ``input_ids``), read from the Arrow table without decoding the rows."""
+        column = "length" if "length" in dataset.column_names else "input_ids"
+        values = dataset.select_columns([column]).with_format("arrow")[column]  # a subset's rows, as Arrow
+        lengths = (values if column == "length" else pyarrow.compute.list_value_length(values)).to_numpy()
+        return np.asarray(lengths, dtype=np.int64)
+
+    def train_dataloader(self) -> DataLoader:
+        """Batches of ``batch_size``: reshuffled every epoch when ``shuffle``; with ``group_by_length``, in the
+        order of a `LengthGroupedSampler` over the rows' lengths (`row_lengths`), seeded with ``seed`` (under
+        `torchloom.Engine`: the engine's)."""
+        if not self.group_by_length or self.train_dataset is None:
+            return super().train_dataloader()
+        sampler = LengthGroupedSampler(self.row_lengths(self.train_dataset), self.batch_size, seed=self.seed)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=self.collate_fn("train"),
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
 
     def source_settings(self) -> dict[str, Any]:
         """The raw tables for the key, without reading them: ``data``, each split's `fingerprint` (file bytes, or
@@ -319,6 +362,9 @@ class TextClassificationData(TextData):
             the order of epoch ``e`` is drawn from the engine's ``seed + e`` (Accelerate's seedable sampler), so
             the same engine seed repeats it; ``seed`` below seeds it when the dataloader is used on its own.
         seed (`int`, defaults to 0): seeds the subsets (and the shuffling outside an engine).
+        group_by_length (`bool`, defaults to False): batch training rows of similar length together (the HF
+            Trainer's ``group_by_length``; see `TextData`): less padding, the longest batch first. Needs
+            ``shuffle=True``.
         pad_to_multiple_of (`int`, *optional*): pad each batch's length up to a multiple of this.
         num_workers (`int`, defaults to 0): dataloader worker processes.
         cache_dir (`str` or `os.PathLike`, *optional*): the processed-dataset cache; defaults to
@@ -356,6 +402,7 @@ class TextClassificationData(TextData):
         max_val_samples: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
+        group_by_length: bool = False,
         pad_to_multiple_of: int | None = None,
         num_workers: int = 0,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -371,6 +418,7 @@ class TextClassificationData(TextData):
             validation,
             tokenizer=tokenizer,
             tokenizer_revision=tokenizer_revision,
+            group_by_length=group_by_length,
             label_column=label_column,
             label_names=label_names,
             batch_size=batch_size,
@@ -392,8 +440,8 @@ class TextClassificationData(TextData):
         suffix (the reader); the label mapping (`resolve_label_names`) follows from them and from ``label_column``
         and ``label_names``, so the tables need not be read to make the key; the tokenizer enters as its
         `tokenizer_fingerprint` (its files and class); library versions are included because parsing and
-        tokenisation can change between them. ``max_*_samples``, batch sizes, shuffling and padding are left out:
-        they act after the cache.
+        tokenisation can change between them. ``max_*_samples``, batch sizes, shuffling, ``group_by_length`` and
+        padding are left out: they act after the cache.
 
         Raises:
             ConfigError: a data path that does not exist or cannot be read, or a tokenizer that cannot be loaded.
