@@ -352,7 +352,7 @@ class Generate(torchloom.Plugin):
             pairs = [pair for shard in gather_object([self._local]) for pair in shard]
         self.predictions = [p for p, _ in pairs]
         self.references = [r for _, r in pairs]
-        self._local = []
+        self._local, self._model = [], None  # no reference to the model kept between passes
         for name, function in self.functions.items():
             value = function(list(self.predictions), list(self.references))
             try:

@@ -243,6 +243,39 @@ def test_a_model_without_generate_is_refused_before_training(tmp_path):
     assert Linear.steps == 0
 
 
+def test_fsdp_and_a_missing_tokenizer_are_refused_before_training(tokenizer_dir):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    model = torch.nn.Linear(1, 1)
+    model.generate = lambda **kwargs: None
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
+    with pytest.raises(torchloom.ConfigError, match="generation under FSDP is not supported"):
+        Generate().configure_model(model=model, task=script.GenTask(tokenizer_dir), accelerator=fsdp)
+    task = script.GenTask(tokenizer_dir)
+    task.tokenizer = None
+    plain = SimpleNamespace(distributed_type=DistributedType.NO)
+    with pytest.raises(torchloom.ConfigError, match="no tokenizer to decode with; set the plugin's 'tokenizer'"):
+        Generate().configure_model(model=model, task=task, accelerator=plain)
+    plugin = Generate(tokenizer=tokenizer_dir)  # the plugin's own setting
+    plugin.configure_model(model=model, task=task, accelerator=plain)
+    assert plugin.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_early_stopping_monitors_a_generation_metric(tmp_path, tokenizer_dir):
+    from torchloom_plugins.early_stopping import EarlyStopping
+
+    plugins = [
+        Generate(max_new_tokens=2, metrics=["generate_fit.count"]),
+        EarlyStopping(monitor="val/count", mode="max", patience=1),
+    ]
+    engine = torchloom.Engine(output_dir=str(tmp_path / "run"), max_epochs=4, default_plugins=False, plugins=plugins)
+    engine.fit(script.GenTask(tokenizer_dir), datamodule=script.data(tokenizer_dir, tmp_path))
+    assert [row["val/count"] for row in engine.history if "val/count" in row] == [11.0, 11.0]  # no improvement
+    assert engine.stop_reason is not None and "val/count" in engine.stop_reason
+
+
 def test_a_validation_batch_without_prompts_is_a_clear_error(tmp_path, tokenizer_dir):
     data = PromptCompletionData(
         script.pairs(4, seed=1), script.pairs(3), tokenizer=tokenizer_dir, max_length=64, cache_dir=str(tmp_path)
