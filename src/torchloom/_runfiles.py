@@ -163,7 +163,8 @@ def write_predictions(run_dir: str, predictions: list[Any], accelerator: Any) ->
     """Write this process's ``predict`` outputs as JSON lines; return the file's path.
 
     One line per sample when a batch's output is a tensor or a mapping of tensors (a transformers ``ModelOutput``
-    too) whose first dimension is the batch; one line per batch otherwise (numbers and lists as they are, anything
+    too) whose first dimension is the batch, or of lists of texts of the batch's length (``{"prompt": [...],
+    "generation": [...]}``); one line per batch otherwise (numbers and lists as they are, anything
     else as its ``repr``). The main process writes ``predictions.jsonl``; with several processes, process r also
     writes its own shard, ``predictions.rank<r>.jsonl``.
 
@@ -181,11 +182,21 @@ def write_predictions(run_dir: str, predictions: list[Any], accelerator: Any) ->
 
 def _prediction_rows(outputs: Any) -> list[dict[str, Any]]:
     tensors = dict(outputs) if isinstance(outputs, Mapping) else {"prediction": outputs}
-    sizes = {len(v) if isinstance(v, torch.Tensor) and v.ndim else -1 for v in tensors.values()}
-    if len(sizes) == 1 and -1 not in sizes:  # batch-first tensors: one row per sample
-        columns = {k: v.detach().cpu().tolist() for k, v in tensors.items()}
+    sizes = {_rows(v) for v in tensors.values()}
+    if len(sizes) == 1 and -1 not in sizes:  # batch-first tensors, lists of texts: one row per sample
+        columns = {k: v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
         return [{k: column[i] for k, column in columns.items()} for i in range(sizes.pop())]
     return [{k: _plain_value(v) for k, v in tensors.items()}]
+
+
+def _rows(value: Any) -> int:
+    """The batch size of a per-sample column: a tensor's first dimension, or the length of a non-empty list of
+    strings (texts, as a generating ``predict_step`` returns); -1 for anything else."""
+    if isinstance(value, torch.Tensor):
+        return len(value) if value.ndim else -1
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return len(value)
+    return -1
 
 
 def _plain_value(value: Any) -> Any:

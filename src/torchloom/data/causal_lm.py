@@ -75,6 +75,11 @@ class CausalLMData(TextData):
         group_by_length (`bool`, defaults to False): batch training sequences of similar length together (the HF
             Trainer's ``group_by_length``; see `TextData`); refused with ``packing=True`` (and ``concatenate=True``),
             whose rows all have about ``max_length`` tokens.
+        generation (`bool`, defaults to False): prompt / completion and chat data only: also store each validation
+            row's prompt alone and its reference completion text, and give every validation (and predict) batch a
+            ``generation`` entry, ``{"input_ids", "attention_mask"}`` (the prompts, left-padded) and
+            ``"reference"`` (the texts), for the ``generate`` plugin. A ``validation_step`` pops it, as it pops
+            ``num_items``. Not with ``packing`` (a packed row holds several prompts).
         **settings: the settings of `CachedDataModule` (``batch_size``, ``shuffle``, ``cache_dir`` ...).
 
     Attributes:
@@ -85,6 +90,8 @@ class CausalLMData(TextData):
     kind: ClassVar[str] = "torchloom.data.causal_lm.CausalLMData"
     #: Whether the rows have a prompt that ``truncation="truncate_prompt"`` may cut.
     has_prompt: ClassVar[bool] = False
+    #: Whether the rows have a prompt to generate after (``generation``; `prompt_and_reference`).
+    can_generate: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -98,6 +105,7 @@ class CausalLMData(TextData):
         append_eos: bool = True,
         add_bos: bool = True,
         pad_to_multiple_of: int | None = None,
+        generation: bool = False,
         **settings: Any,
     ) -> None:
         owner = type(self).__name__
@@ -109,17 +117,26 @@ class CausalLMData(TextData):
         valid = TRUNCATIONS if self.has_prompt else TRUNCATIONS[:3]
         if truncation not in valid:
             raise invalid("truncation", truncation, f"one of {', '.join(map(repr, valid))}", owner=owner)
-        for name, flag in (("packing", packing), ("append_eos", append_eos), ("add_bos", add_bos)):
+        for name, flag in (
+            ("packing", packing), ("append_eos", append_eos), ("add_bos", add_bos), ("generation", generation)
+        ):  # fmt: skip
             if not isinstance(flag, bool):
                 raise invalid(name, flag, "true or false", owner=owner)
         if packing and settings.get("group_by_length"):
             raise invalid(
                 "group_by_length", True, "false with packing=True (packed rows are all about max_length)", owner=owner
             )
+        if generation and not self.can_generate:
+            raise invalid("generation", True, "false: only prompt / completion and chat data have prompts", owner=owner)
+        if generation and packing:
+            raise invalid(
+                "generation", True, "false with packing=True (a packed row holds several prompts)", owner=owner
+            )
         self.check_count("pad_to_multiple_of", pad_to_multiple_of, optional=True)
         super().__init__(train, validation, tokenizer=tokenizer, label_column=None, **settings)
         self.max_length, self.truncation, self.packing = max_length, truncation, packing
         self.append_eos, self.add_bos, self.pad_to_multiple_of = append_eos, add_bos, pad_to_multiple_of
+        self.generation = generation
         self.overlong: dict[str, int] = {}
         self.packing_efficiency: dict[str, float] = {}
 
@@ -136,6 +153,11 @@ class CausalLMData(TextData):
     def required_columns(self) -> dict[str, str]:
         """The columns every split must have, by the setting that names them."""
         return {}
+
+    def prompt_and_reference(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], str]:
+        """``(prompt_ids, reference)`` of one raw row, for ``generation``: the tokens a model generates after, and
+        the text it should generate (subclasses with ``can_generate``)."""
+        raise NotImplementedError
 
     def sequences(self, split: str, table: datasets.Dataset) -> list[tuple[list[int], list[int], int]]:
         """The encoded rows of ``split`` (`encode`), one sequence each; `LanguageModelingData` overrides it."""
@@ -166,6 +188,7 @@ class CausalLMData(TextData):
             "packing": self.packing,
             "append_eos": self.append_eos,
             "add_bos": self.add_bos,
+            "generation": self.generation,
             "versions": self.versions(),
         }
 
@@ -174,13 +197,14 @@ class CausalLMData(TextData):
         name = self.split_name(split)
         for setting, column in self.required_columns().items():
             require_column(table, column, setting, name)
-        fitted, overlong, longest = [], 0, 0
+        fitted, overlong, longest, kept = [], 0, 0, []
         for index, (ids, labels, prompt) in enumerate(self.sequences(split, table)):
             if len(ids) > self.max_length:
                 overlong, longest = overlong + 1, max(longest, len(ids))
             row = self.fit(ids, labels, prompt, index, name)
             if row is not None:
                 fitted.append(row)
+                kept.append(index)
         self.overlong[split] = overlong
         if overlong:
             action = {
@@ -205,6 +229,10 @@ class CausalLMData(TextData):
                 columns["labels"].append([t for i in group for t in fitted[i][1]])
                 columns["position_ids"].append([p for i in group for p in range(len(fitted[i][0]))])
         columns["length"] = [len(ids) for ids in columns["input_ids"]]
+        if self.generation and split == "validation":  # the prompt alone (not cut) and the reference text
+            pairs = [self.prompt_and_reference(table[i], i, name) for i in kept]
+            columns["prompt_ids"] = [p for p, _ in pairs]
+            columns["reference"] = [r for _, r in pairs]
         return datasets.Dataset.from_dict(columns)
 
     def fit(
@@ -267,8 +295,11 @@ class CausalLMData(TextData):
         return CausalLMCollator(pad if pad is not None else 0, self.pad_to_multiple_of)
 
     def collate_fn(self, split: str) -> CausalLMCollator:
-        """`collator`, for training and validation alike."""
-        return self.collator()
+        """`collator`, for training and validation alike; with ``generation``, the validation batches also get the
+        ``generation`` entry (the left-padded prompts and the reference texts)."""
+        collator = self.collator()
+        collator.generation = self.generation and split == "validation"
+        return collator
 
     def check_model(self, model: Any) -> None:
         """With ``packing=True``, refuse a model whose attention would mix packed sequences
@@ -365,6 +396,7 @@ class PromptCompletionData(CausalLMData):
 
     kind = "torchloom.data.causal_lm.PromptCompletionData"
     has_prompt = True
+    can_generate = True
 
     def __init__(
         self,
@@ -396,6 +428,11 @@ class PromptCompletionData(CausalLMData):
         masked = [IGNORE_INDEX] * len(prompt) if self.completion_only else list(prompt)
         return prompt + completion, masked + completion, len(prompt)
 
+    def prompt_and_reference(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], str]:
+        """The prompt's tokens, as in `encode` (BOS first), and the completion text."""
+        prompt = self.bos() + self.tokens(self.text(row, self.prompt_column, index, name, allow_empty=True))
+        return prompt, self.text(row, self.completion_column, index, name)
+
 
 class ChatData(CausalLMData):
     """Conversations: a column of messages (``{"role": ..., "content": ...}``) rendered with a chat template.
@@ -415,6 +452,7 @@ class ChatData(CausalLMData):
     """
 
     kind = "torchloom.data.causal_lm.ChatData"
+    can_generate = True  # the conversation up to its last assistant message
 
     def __init__(
         self,
@@ -533,3 +571,10 @@ class ChatData(CausalLMData):
             for token, (s, e) in zip(ids, encoded["offset_mapping"])
         ]
         return ids, labels, 0
+
+    def prompt_and_reference(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], str]:
+        """The conversation before its last assistant message, rendered with the generation prompt and tokenised,
+        and that message's content."""
+        messages = self.check_messages(row[self.messages_column], index, name)
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        return self.tokens(self.render(messages[:last], index, name, generation=True)), messages[last]["content"]

@@ -18,7 +18,7 @@ import torch
 
 from torchloom.errors import ConfigError
 
-__all__ = ["CausalLMCollator", "check_packed_attention", "count_loss_tokens", "pack_best_fit"]
+__all__ = ["CausalLMCollator", "check_packed_attention", "count_loss_tokens", "left_padded_prompts", "pack_best_fit"]
 
 IGNORE_INDEX = -100
 
@@ -72,15 +72,21 @@ class CausalLMCollator:
     `check_packed_attention`), ``position_ids`` as stored, the padding numbered from 0 as a sequence of its own.
     Every batch has ``num_items`` (`count_loss_tokens`). Tensors are int64.
 
+    With ``generation`` (rows that have ``prompt_ids`` and ``reference``), the batch also has ``generation``:
+    ``{"input_ids", "attention_mask"}`` of the prompts alone, **left**-padded (so that generated tokens follow
+    every prompt directly), and ``"reference"``, the list of reference texts.
+
     Args:
         pad_token_id (`int`): the padding token.
         pad_to_multiple_of (`int`, *optional*): pad the batch length up to a multiple of this.
+        generation (`bool`, defaults to False): add the ``generation`` entry.
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, generation: bool = False) -> None:
         self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
+        self.generation = generation
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         width = max(len(row["input_ids"]) for row in rows)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -97,9 +103,27 @@ class CausalLMCollator:
                 extra[r, n:] = torch.arange(width - n)
             else:
                 extra[r, :n] = 1
-        batch = {"input_ids": ids, "labels": labels, ("position_ids" if packed else "attention_mask"): extra}
+        batch: dict[str, Any] = {
+            "input_ids": ids, "labels": labels, ("position_ids" if packed else "attention_mask"): extra
+        }  # fmt: skip
         batch["num_items"] = count_loss_tokens(labels)
+        if self.generation:
+            batch["generation"] = left_padded_prompts(rows, self.pad_token_id)
         return batch
+
+
+def left_padded_prompts(rows: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
+    """``{"input_ids", "attention_mask", "reference"}``: the rows' ``prompt_ids`` left-padded with ``pad_token_id``
+    (the mask 0 on the padding), and their ``reference`` texts."""
+    width = max(len(row["prompt_ids"]) for row in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        n = len(row["prompt_ids"])
+        if n:
+            ids[r, width - n :] = torch.as_tensor(row["prompt_ids"], dtype=torch.long)
+            mask[r, width - n :] = 1
+    return {"input_ids": ids, "attention_mask": mask, "reference": [str(row["reference"]) for row in rows]}
 
 
 def check_packed_attention(model: torch.nn.Module) -> None:
