@@ -152,3 +152,27 @@ def test_validate_and_predict_commands(project: Path) -> None:
     assert len(records) == 1 and records[0]["step"] == 0 and records[0]["val/loss"] > 0
     proc = run_cli("predict", "--config", "config.yaml", "--task.init_args.n=32", cwd=project)
     assert proc.returncode == 2 and "predict: no data" in proc.stderr  # the task defines no predict data
+
+
+def test_main_called_twice_in_one_process_runs_each_projects_own_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two projects with a ``mytask.py`` each: the second `main` runs its own, not the first one's from
+    ``sys.modules``; afterwards ``sys.path`` is as it was and neither module is imported."""
+    from torchloom import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mytask.py").write_text(
+            f"{TASK_MODULE}\n\nclass MyTask(Regression):\n    def __init__(self, n: int = 8):\n"
+            f"        super().__init__(n=n)\n        print('the task of project {name}')\n"
+        )
+        config = {"engine": {"max_epochs": 1, "output_dir": f"{name}/run"}, "task": {"class_path": "mytask.MyTask"}}
+        (tmp_path / name / "c.yaml").write_text(yaml.safe_dump(config))
+    path = list(sys.path)
+    for name in ("a", "b"):
+        assert cli.main(["fit", "--config", f"{name}/c.yaml"]) == 0
+        assert f"the task of project {name}\n" in capsys.readouterr().out
+        assert sys.path == path
+        assert "mytask" not in sys.modules

@@ -3,14 +3,34 @@ than the main one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 from ._config import config_paths
 
-__all__ = ["is_other_process", "put_config_dir_on_path", "quiet_other_processes"]
+__all__ = ["is_other_process", "project_imports", "put_config_dir_on_path", "quiet_other_processes"]
+
+
+@contextlib.contextmanager
+def project_imports() -> Iterator[None]:
+    """The directories one command puts on ``sys.path`` (`put_config_dir_on_path`) are the command's: afterwards
+    ``sys.path`` no longer has them and the modules imported from them are forgotten. So a second `main` in the
+    same process (a notebook, a test, a script that runs two configs) imports the ``task.py`` next to its own
+    config, not the first project's one from ``sys.modules``. A directory that was on the path already, and what
+    was imported before, stay."""
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        yield
+    finally:
+        added = [os.path.abspath(p) for p in sys.path if p not in path]
+        sys.path[:] = [p for p in sys.path if p in path]
+        for name in set(sys.modules) - modules:
+            where = getattr(sys.modules[name], "__file__", None)
+            if where and any(os.path.abspath(where).startswith(directory + os.sep) for directory in added):
+                del sys.modules[name]
 
 
 def put_config_dir_on_path(argv: list[str]) -> None:
