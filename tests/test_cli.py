@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+
+from cli_util import run_cli  # in this process; the entry points' own tests: tests/test_cli_inputs.py
 
 TASK_MODULE = '''
 import torch
@@ -22,12 +23,6 @@ class Regression(TinyTask):
     def __init__(self, lr: float = 0.1, batch_size: int = 4, n: int = 32):
         super().__init__(n=n, batch_size=batch_size, lr=lr)
 '''
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torchloom.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture
