@@ -54,12 +54,13 @@ SIGNALS = [
 
 
 def run_cli(
-    *args: str, cwd: Path | str, env: Mapping[str, str] | None = None, argv0: str = "torchloom"
+    *args: str, cwd: Path | str, env: Mapping[str, str | None] | None = None, argv0: str = "torchloom"
 ) -> subprocess.CompletedProcess[str]:
-    """``torchloom ARGS`` in ``cwd`` with the variables of ``env`` added to this process's environment, run in this
-    process; what ``subprocess.run([sys.executable, "-m", "torchloom.cli", *args], cwd=cwd, env={**os.environ,
-    **env}, capture_output=True, text=True)`` would return. A ``PYTHONPATH`` in ``env`` goes on ``sys.path`` as the
-    interpreter would put it there (after the working directory, before the installed packages)."""
+    """``torchloom ARGS`` in ``cwd`` with the variables of ``env`` added to this process's environment (a value
+    None: removed from it), run in this process; what ``subprocess.run([sys.executable, "-m", "torchloom.cli",
+    *args], cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True)`` would return. A ``PYTHONPATH`` in
+    ``env`` goes on ``sys.path`` as the interpreter would put it there (after the working directory, before the
+    installed packages)."""
     from torchloom import cli
 
     out, err = io.StringIO(), io.StringIO()
@@ -81,17 +82,28 @@ def run_cli(
 def run_cli_process(
     *args: str,
     cwd: Path | str,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
     module: str = "torchloom.cli",
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m MODULE ARGS`` in a process of its own, importing the torchloom under test: for what only a real
-    process shows (the entry points, start-up, signals, exit statuses the interpreter sets)."""
-    environ = {**os.environ, **(env or {})}
+    process shows (the entry points, start-up, signals, exit statuses the interpreter sets). ``env`` as for
+    `run_cli`."""
+    environ = _environment(dict(os.environ), env or {})
     environ["PYTHONPATH"] = os.pathsep.join([*SOURCE_PATHS, *filter(None, [environ.get("PYTHONPATH")])])
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout
     )
+
+
+def _environment(environ: dict[str, str], changes: Mapping[str, str | None]) -> dict[str, str]:
+    """``environ`` with ``changes`` made (None: the variable removed)."""
+    for name, value in changes.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return environ
 
 
 def _exit_status(exc: SystemExit, err: io.StringIO) -> int:
@@ -106,7 +118,7 @@ def _exit_status(exc: SystemExit, err: io.StringIO) -> int:
 
 @contextlib.contextmanager
 def _process_like(
-    cwd: Path, env: dict[str, str], out: io.StringIO, err: io.StringIO, argv: list[str]
+    cwd: Path, env: dict[str, str | None], out: io.StringIO, err: io.StringIO, argv: list[str]
 ) -> Iterator[None]:
     """This process, for the time of the block, as a fresh ``python -m`` process in ``cwd`` with ``env`` writing to
     ``out`` and ``err``; afterwards as it was."""
@@ -122,16 +134,16 @@ def _process_like(
             warnings.resetwarnings()
             for action, category, module in reversed(DEFAULT_WARNING_FILTERS):
                 warnings.filterwarnings(action, category=category, module=module or "")
-            python_warnings = [
-                o for o in env.get("PYTHONWARNINGS", os.environ.get("PYTHONWARNINGS", "")).split(",") if o
-            ]
+            environ = _environment(dict(os.environ), env)
+            python_warnings = [option for option in environ.get("PYTHONWARNINGS", "").split(",") if option]
             sys.warnoptions[:] = python_warnings
             for option in python_warnings:
                 warnings._setoption(option)  # type: ignore[attr-defined]  # as the interpreter reads it
             warnings.showwarning = _show_warning_on(err)
-            os.environ.update(env)
+            os.environ.clear()
+            os.environ.update(environ)
             os.chdir(cwd)
-            python_path = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            python_path = [os.path.abspath(p) for p in (env.get("PYTHONPATH") or "").split(os.pathsep) if p]
             sys.path[:] = [str(cwd.resolve()), *python_path, *saved_path]  # python -m: the working directory first
             sys.argv[:] = argv
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -19,6 +19,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader, IterableDataset
 
+import cli_util
 import torchloom
 from torchloom.testing import TinyTask, tiny_dataset
 from torchloom_plugins.progress import ProgressBar, batch_size, metric_direction
@@ -351,18 +352,10 @@ def test_disabled_prints_nothing_and_writes_nothing(tmp_path, capsys) -> None:
 
 
 def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environ = {**os.environ, **(env or {})}
-    environ["PYTHONPATH"] = os.pathsep.join([*SOURCE_PATHS, *filter(None, [environ.get("PYTHONPATH")])])
-    for variable in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR"):
-        environ.pop(variable, None)
-    return subprocess.run(
-        [sys.executable, "-m", "torchloom.cli", *args],
-        cwd=cwd,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """The command in this process (tests/cli_util.py), its output a pipe as under ``subprocess.run``, whatever the
+    terminal the tests run in says."""
+    unset: dict[str, str | None] = {variable: None for variable in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR")}
+    return cli_util.run_cli(*args, cwd=cwd, env={**unset, **(env or {})})
 
 
 def write_config(tmp_path: Path, plugins: Any = None) -> None:
