@@ -171,3 +171,25 @@ def test_main_called_twice_in_one_process_runs_each_projects_own_task(
         assert f"the task of project {name}\n" in capsys.readouterr().out
         assert sys.path == path
         assert "mytask" not in sys.modules
+
+
+def test_main_forgets_only_the_modules_found_in_the_directories_it_added(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A package under the working directory that was importable through its own path entry (``src/``, as an
+    editable install has it) stays imported: only what was found in a directory `main` added is forgotten."""
+    from torchloom import cli
+
+    (tmp_path / "src" / "mypkg").mkdir(parents=True)
+    (tmp_path / "src" / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "src" / "mypkg" / "tasks.py").write_text(TASK_MODULE)
+    (tmp_path / "local_task.py").write_text(TASK_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    monkeypatch.chdir(tmp_path)  # added by main: below it, src/mypkg
+    for name in ("mypkg", "mypkg.tasks", "local_task"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    for class_path in ("mypkg.tasks.Regression", "local_task.Regression"):
+        assert cli.main(["fit", f"--task={class_path}", "--engine.max_epochs=1", "--engine.output_dir=run"]) == 0
+    capsys.readouterr()
+    assert {"mypkg", "mypkg.tasks"} <= set(sys.modules)
+    assert "local_task" not in sys.modules
