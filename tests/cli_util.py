@@ -36,6 +36,7 @@ from typing import Any
 
 import torchloom
 import torchloom_plugins
+from torchloom.cli._environment import forget_modules_found_in
 
 #: The torchloom under test (the source tree, or whatever this process imports), ahead of an installed copy.
 SOURCE_PATHS = [str(Path(torchloom.__file__).parents[1]), str(Path(torchloom_plugins.__file__).parents[1])]
@@ -152,14 +153,12 @@ def _process_like(
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_environ)
-        added = [os.path.abspath(p) for p in sys.path if p not in saved_path]
+        added = {os.path.abspath(p) for p in sys.path if p not in saved_path}
         sys.path[:] = saved_path
         sys.argv[:] = saved_argv
         sys.warnoptions[:] = saved_warnoptions
-        for name in set(sys.modules) - saved_modules:  # the task and data modules of the command's project
-            where = getattr(sys.modules[name], "__file__", None)
-            if where and any(os.path.abspath(where).startswith(directory + os.sep) for directory in added):
-                del sys.modules[name]
+        # The project's task and data modules (found in the working directory or on PYTHONPATH), as main() does
+        forget_modules_found_in(added, saved_modules)
         for number, handler in saved_signals.items():
             if handler is not None:
                 signal.signal(number, handler)
