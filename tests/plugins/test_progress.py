@@ -23,6 +23,7 @@ import cli_util
 import torchloom
 from torchloom.testing import TinyTask, tiny_dataset
 from torchloom_plugins.progress import ProgressBar, batch_size, metric_direction
+from torchrun_util import require_multiprocess_marker
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PATHS = [str(ROOT / "src"), str(ROOT / "plugins")]
@@ -429,6 +430,7 @@ def test_two_processes_print_once_and_count_the_samples_of_both(tmp_path) -> Non
     write_config(tmp_path)
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(SOURCE_PATHS)
+    require_multiprocess_marker("torchrun")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run(
         [*command, "-m", "torchloom.cli", "fit", "--config", "c.yaml"],
