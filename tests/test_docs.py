@@ -105,6 +105,7 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     "python3 -m nox -s lint typecheck": "ruff and mypy over the repository, in environments of their own",
     "python3 -m nox -s tests docs": "the whole test suite and the site: what CI runs",
     "python3 -m nox -s tests -- -q tests/test_resume_layout.py": "a fresh install, then one test file",
+    'python3 -m nox -s tests -- -q -m "not multiprocess and not slow"': "a fresh install, then the quick subset",
     "python3 -m nox -s mutation": _MUTATION,
     "python3 -m nox -s mutation -- --base main": _MUTATION,
     "python3 -m nox -s mutation -- src/torchloom/_atomic.py plugins/torchloom_plugins/checkpoint.py": _MUTATION,
