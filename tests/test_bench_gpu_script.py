@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
 CONFIGS = [
     "bf16, adamw",
@@ -20,6 +22,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.slow  # every row of the benchmark, end to end in a process of its own
 def test_gpu_script_runs_tiny_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+
+from cli_util import run_cli  # in this process; the entry points' own tests: tests/test_cli_inputs.py
 
 TASK_MODULE = '''
 import torch
@@ -22,12 +23,6 @@ class Regression(TinyTask):
     def __init__(self, lr: float = 0.1, batch_size: int = 4, n: int = 32):
         super().__init__(n=n, batch_size=batch_size, lr=lr)
 '''
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torchloom.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture
@@ -152,3 +147,49 @@ def test_validate_and_predict_commands(project: Path) -> None:
     assert len(records) == 1 and records[0]["step"] == 0 and records[0]["val/loss"] > 0
     proc = run_cli("predict", "--config", "config.yaml", "--task.init_args.n=32", cwd=project)
     assert proc.returncode == 2 and "predict: no data" in proc.stderr  # the task defines no predict data
+
+
+def test_main_called_twice_in_one_process_runs_each_projects_own_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two projects with a ``mytask.py`` each: the second `main` runs its own, not the first one's from
+    ``sys.modules``; afterwards ``sys.path`` is as it was and neither module is imported."""
+    from torchloom import cli
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mytask.py").write_text(
+            f"{TASK_MODULE}\n\nclass MyTask(Regression):\n    def __init__(self, n: int = 8):\n"
+            f"        super().__init__(n=n)\n        print('the task of project {name}')\n"
+        )
+        config = {"engine": {"max_epochs": 1, "output_dir": f"{name}/run"}, "task": {"class_path": "mytask.MyTask"}}
+        (tmp_path / name / "c.yaml").write_text(yaml.safe_dump(config))
+    path = list(sys.path)
+    for name in ("a", "b"):
+        assert cli.main(["fit", "--config", f"{name}/c.yaml"]) == 0
+        assert f"the task of project {name}\n" in capsys.readouterr().out
+        assert sys.path == path
+        assert "mytask" not in sys.modules
+
+
+def test_main_forgets_only_the_modules_found_in_the_directories_it_added(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A package under the working directory that was importable through its own path entry (``src/``, as an
+    editable install has it) stays imported: only what was found in a directory `main` added is forgotten."""
+    from torchloom import cli
+
+    (tmp_path / "src" / "mypkg").mkdir(parents=True)
+    (tmp_path / "src" / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "src" / "mypkg" / "tasks.py").write_text(TASK_MODULE)
+    (tmp_path / "local_task.py").write_text(TASK_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    monkeypatch.chdir(tmp_path)  # added by main: below it, src/mypkg
+    for name in ("mypkg", "mypkg.tasks", "local_task"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    for class_path in ("mypkg.tasks.Regression", "local_task.Regression"):
+        assert cli.main(["fit", f"--task={class_path}", "--engine.max_epochs=1", "--engine.output_dir=run"]) == 0
+    capsys.readouterr()
+    assert {"mypkg", "mypkg.tasks"} <= set(sys.modules)
+    assert "local_task" not in sys.modules

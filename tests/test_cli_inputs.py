@@ -15,24 +15,14 @@ import pytest
 import yaml
 
 import torchloom
-import torchloom_plugins
+from cli_util import SOURCE_PATHS, run_cli, run_cli_process  # run_cli: in this process (tests/cli_util.py)
 from torchloom import cli
 from torchloom.cli import _environment
 from torchloom.cli import plugins as plugins_command
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The torchloom under test (the source tree, or whatever the test process imports), ahead of an installed copy.
-SOURCE_PATHS = [str(Path(torchloom.__file__).parents[1]), str(Path(torchloom_plugins.__file__).parents[1])]
 
 BASE = {"engine": {"max_epochs": 1, "log_every_n_steps": 1}, "task": {"class_path": "torchloom.testing.TinyTask"}}
-
-
-def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None, module: str = "torchloom.cli"):
-    environ = {**os.environ, **(env or {})}
-    environ["PYTHONPATH"] = os.pathsep.join([*SOURCE_PATHS, *filter(None, [environ.get("PYTHONPATH")])])
-    return subprocess.run(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=300
-    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *fragments: str) -> str:
@@ -471,11 +461,12 @@ def test_an_empty_allow_list_says_it_filters_every_plugin(tmp_path: Path) -> Non
 
 
 def test_version_and_python_dash_m_torchloom(tmp_path: Path) -> None:
-    proc = run_cli("--version", cwd=tmp_path)
+    """The entry points themselves, in processes of their own: ``python -m torchloom.cli`` and ``-m torchloom``."""
+    proc = run_cli_process("--version", cwd=tmp_path)
     assert (proc.returncode, proc.stdout) == (0, f"torchloom {torchloom.__version__}\n"), proc.stderr
-    proc = run_cli("--version", cwd=tmp_path, module="torchloom")
+    proc = run_cli_process("--version", cwd=tmp_path, module="torchloom")
     assert (proc.returncode, proc.stdout) == (0, f"torchloom {torchloom.__version__}\n"), proc.stderr
-    proc = run_cli("plugins", "--json", cwd=tmp_path, module="torchloom")
+    proc = run_cli_process("plugins", "--json", cwd=tmp_path, module="torchloom")
     assert proc.returncode == 0 and {"grad_clip", "grad_accum"} <= {row["name"] for row in json.loads(proc.stdout)}
 
 
@@ -516,6 +507,7 @@ transformers.logging.get_logger("transformers.modeling_utils").warning("a load r
 
 @pytest.mark.parametrize(("rank", "world_size", "quiet"), [("1", "2", True), ("0", "2", False), ("0", "1", False)])
 def test_processes_other_than_the_main_one_are_quiet(tmp_path: Path, rank: str, world_size: str, quiet: bool) -> None:
+    """In a process of its own: transformers reads TRANSFORMERS_VERBOSITY when it is first imported."""
     env = {**os.environ, "RANK": rank, "WORLD_SIZE": world_size}
     env["PYTHONPATH"] = os.pathsep.join(SOURCE_PATHS)
     for variable in ("TRANSFORMERS_VERBOSITY", "DATASETS_VERBOSITY", "PYTHONWARNINGS"):
@@ -544,6 +536,7 @@ SHADOW = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
 
 @pytest.mark.parametrize("library", ["jsonargparse", "yaml", "torch"])
 def test_a_file_next_to_the_config_never_replaces_a_library(tmp_path: Path, library: str) -> None:
+    """In a process of its own: in this one the libraries are imported already, so no file could replace them."""
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     project.mkdir()
     elsewhere.mkdir()
@@ -553,7 +546,7 @@ def test_a_file_next_to_the_config_never_replaces_a_library(tmp_path: Path, libr
     for command in (["fit", "--config", str(project / "config.yaml"), "--print_config"], ["plugins", "--config"]):
         if command[0] == "plugins":
             command = [*command, str(project / "config.yaml")]
-        proc = run_cli(*command, cwd=elsewhere)
+        proc = run_cli_process(*command, cwd=elsewhere)
         assert proc.returncode == 0, proc.stderr
         assert not marker.exists(), f"{library}.py next to the config ran for {' '.join(command)}"
 

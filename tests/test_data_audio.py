@@ -12,8 +12,6 @@ import os
 import re
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import datasets
@@ -23,6 +21,7 @@ import pytest
 import torch
 
 import torchloom
+from cli_util import run_cli  # the torchloom command, in this process
 from torchloom.data import (
     AudioClassificationData,
     LogMelSpectrogram,
@@ -528,8 +527,7 @@ def test_cli_config_with_a_transformers_feature_extractor(tmp_path):
         },
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(tmp_path / "config.yaml")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = run_cli("fit", "--config", str(tmp_path / "config.yaml"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("batch (3, 20, 100) torch.float32") == 2
     (entry,) = (tmp_path / "cache").iterdir()

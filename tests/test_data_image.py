@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import torchloom
+from cli_util import run_cli  # the torchloom command, in this process
 from torchloom.data import (
     ImageAugmentation,
     ImageClassificationData,
@@ -508,8 +509,6 @@ class Probe(torchloom.TaskModule):
 def test_cli_config_with_an_image_processor_mapping(tmp_path):
     """The user guide's YAML: a processor given as a mapping reaches load_image_processor as a dict (not as its
     string form), and augmentation settings parse."""
-    import subprocess
-    import sys
 
     import yaml
 
@@ -531,8 +530,7 @@ def test_cli_config_with_an_image_processor_mapping(tmp_path):
         },
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(tmp_path / "config.yaml")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = run_cli("fit", "--config", str(tmp_path / "config.yaml"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("batch (4, 3, 16, 16) torch.float32") == 2
     (entry,) = (tmp_path / "cache").iterdir()

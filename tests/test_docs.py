@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from torchloom import hookspecs
+from torchrun_util import require_multiprocess_marker
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -63,6 +64,8 @@ PROJECTS = {
         "distributed.md",
     ],
 }
+#: The projects with a page that runs torchrun (docs/distributed.md): marked multiprocess, out of the quick subset.
+TORCHRUN_PROJECTS = {"guides"}
 #: Pages whose files and commands another test writes and runs (its own runner: the HF Trainer side runs in a
 #: subprocess and is compared with the torchloom side), page -> that test file.
 RUN_BY = {
@@ -102,6 +105,7 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     "python3 -m nox -s lint typecheck": "ruff and mypy over the repository, in environments of their own",
     "python3 -m nox -s tests docs": "the whole test suite and the site: what CI runs",
     "python3 -m nox -s tests -- -q tests/test_resume_layout.py": "a fresh install, then one test file",
+    'python3 -m nox -s tests -- -q -m "not multiprocess and not slow"': "a fresh install, then the quick subset",
     "python3 -m nox -s mutation": _MUTATION,
     "python3 -m nox -s mutation -- --base main": _MUTATION,
     "python3 -m nox -s mutation -- src/torchloom/_atomic.py plugins/torchloom_plugins/checkpoint.py": _MUTATION,
@@ -708,6 +712,7 @@ def _run_command(command: str, cwd: Path, capsys, monkeypatch) -> tuple[int, str
     if words[0] in SHELL_PROGRAMS:
         argv = ["bash", "-c", program]
     elif words[0] == "torchrun":
+        require_multiprocess_marker(f"`{command}`")
         argv = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
     elif words[0] in ("python", "python3"):
         argv = [sys.executable, *words[1:]]
@@ -775,7 +780,10 @@ def _run_page(page: Path, cwd: Path, capsys, monkeypatch) -> list[str]:
 
 
 @pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled:UserWarning")  # DetectAnomaly's own
-@pytest.mark.parametrize("project", sorted(PROJECTS))
+@pytest.mark.parametrize(
+    "project",
+    [pytest.param(p, marks=[pytest.mark.multiprocess] if p in TORCHRUN_PROJECTS else []) for p in sorted(PROJECTS)],
+)
 def test_the_documented_examples_run_and_print_what_the_pages_show(project, tmp_path, capsys, monkeypatch):
     """Every page of the project, in order, in one working directory: the python blocks run and print what the
     text blocks show; the files they name are written; every command runs and prints what the page shows."""

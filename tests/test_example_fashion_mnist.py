@@ -8,8 +8,8 @@ else fetched once with ``apt-get download`` into ``~/.cache/torchloom/fashion_mn
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch
 import yaml
 
 import torchloom
+from cli_util import run_cli  # the torchloom command, in this process
 from example_results import assert_reaches_recorded
 from torchloom.data import ImageClassificationData
 
@@ -121,10 +122,8 @@ def test_real_images_through_a_folder_arrays_and_the_example_keep_labels_and_pix
 def test_cli_fit_learns_well_above_chance_and_saves_a_reloadable_model(fashion_mnist, tmp_path):
     out = tmp_path / "run"
     overrides = [f"--data.init_args.{k}={v}" for k, v in SMALL.items()]
-    command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(CONFIG), *overrides]
-    result = subprocess.run(
-        [*command, "--engine.max_epochs=1", f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600
-    )
+    command = ["fit", "--config", str(CONFIG), *overrides, "--engine.max_epochs=1", f"--engine.output_dir={out}"]
+    result = run_cli(*command, cwd=os.getcwd())
     assert result.returncode == 0, result.stderr[-3000:]
     config = yaml.safe_load((out / "latest" / "config.yaml").read_text())
     assert config["task"]["class_path"] == "fashion_mnist.FashionMNISTClassifier"

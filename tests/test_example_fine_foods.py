@@ -7,8 +7,8 @@ The reviews come from the Debian package r-cran-modeldata, fetched once with ``a
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -19,6 +19,7 @@ import torch
 import yaml
 from torchmetrics.functional.classification import binary_auroc, binary_f1_score
 
+from cli_util import run_cli  # the torchloom command, in this process
 from example_results import assert_reaches_recorded
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -81,8 +82,7 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
 
     out = tmp_path / "run"
     overrides = [f"--data.init_args.{k}={v}" for k, v in SMALL.items()]
-    command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(CONFIG), *overrides]
-    result = subprocess.run([*command, f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600)
+    result = run_cli("fit", "--config", str(CONFIG), *overrides, f"--engine.output_dir={out}", cwd=os.getcwd())
     assert result.returncode == 0, result.stderr[-3000:]
 
     config = yaml.safe_load((out / "latest" / "config.yaml").read_text())
@@ -136,10 +136,8 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
     # predict writes one prediction per validation review into a run directory of its own.
     model_dir = f"--task.init_args.model_path={out / 'latest' / 'model'}"
     for command_name in ("validate", "predict"):
-        command = [sys.executable, "-m", "torchloom.cli", command_name, "--config", str(CONFIG), *overrides]
-        done = subprocess.run(
-            [*command, model_dir, f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600
-        )
+        command = [command_name, "--config", str(CONFIG), *overrides, model_dir, f"--engine.output_dir={out}"]
+        done = run_cli(*command, cwd=os.getcwd())
         assert done.returncode == 0, done.stderr[-3000:]
     (validation,) = [json.loads(line) for line in (out / "version_1" / "metrics.jsonl").open()]
     assert validation["val/accuracy"] == pytest.approx(final["val/accuracy"], abs=1e-12)
@@ -158,18 +156,22 @@ def test_cli_fit_writes_metrics_config_and_a_reloadable_model(fine_foods, tmp_pa
     # model's predictions, and inspect describes the checkpoint and the exported model alike.
     (checkpoint,) = (out / "version_0" / "checkpoints").iterdir()
     assert checkpoint.name == "step-00000004-epoch-end"
-    command = [sys.executable, "-m", "torchloom.cli", "predict", "--config", str(CONFIG), *overrides]
-    done = subprocess.run(
-        [*command, f"--ckpt_path={checkpoint}", f"--engine.output_dir={out}"], capture_output=True, text=True
-    )
+    command = [
+        "predict",
+        "--config",
+        str(CONFIG),
+        *overrides,
+        f"--ckpt_path={checkpoint}",
+        f"--engine.output_dir={out}",
+    ]
+    done = run_cli(*command, cwd=os.getcwd())
     assert done.returncode == 0, done.stderr[-3000:]
     from_checkpoint = [json.loads(line) for line in (out / "version_3" / "predictions.jsonl").open()]
     assert [r["label"] for r in from_checkpoint] == [r["label"] for r in rows]
     assert [r["p_great"] for r in from_checkpoint] == pytest.approx([r["p_great"] for r in rows], abs=1e-6)
     described = {}
     for path in (checkpoint, out / "version_0" / "model"):
-        inspect = [sys.executable, "-m", "torchloom.cli", "inspect", str(path), "--json"]
-        done = subprocess.run(inspect, capture_output=True, text=True, timeout=120)
+        done = run_cli("inspect", str(path), "--json", cwd=os.getcwd())
         assert done.returncode == 0, done.stderr[-3000:]
         described[path.name] = json.loads(done.stdout)
     total = sum(p.numel() for p in model.parameters())
@@ -230,8 +232,7 @@ def test_techniques_config_composes_all_plugins_on_the_real_model(fine_foods, tm
     small = {**SMALL, "batch_size": 8}
     overrides = [f"--data.init_args.{k}={v}" for k, v in small.items()]
     config = EXAMPLES / "fine_foods_techniques.yaml"
-    command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(config), *overrides]
-    result = subprocess.run([*command, f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600)
+    result = run_cli("fit", "--config", str(config), *overrides, f"--engine.output_dir={out}", cwd=os.getcwd())
     assert result.returncode == 0, result.stderr[-3000:]
     resolved = yaml.safe_load((out / "latest" / "config.yaml").read_text())
     techniques = [name for name in resolved["plugins"] if name != "progress"]  # the command may add its display

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from cli_util import run_cli  # the torchloom command, in this process
 from example_results import assert_reaches_recorded
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -105,10 +105,8 @@ def test_cli_fit_on_a_slice_writes_metrics_and_a_reloadable_model(keywords, tmp_
 
     out = tmp_path / "run"
     overrides = [f"--data.init_args.{k}={v}" for k, v in SMALL.items()]
-    command = [sys.executable, "-m", "torchloom.cli", "fit", "--config", str(CONFIG), *overrides]
-    result = subprocess.run(
-        [*command, "--engine.max_epochs=1", f"--engine.output_dir={out}"], capture_output=True, text=True, timeout=600
-    )
+    command = ["fit", "--config", str(CONFIG), *overrides, "--engine.max_epochs=1", f"--engine.output_dir={out}"]
+    result = run_cli(*command, cwd=os.getcwd())
     assert result.returncode == 0, result.stderr[-3000:]
     config = yaml.safe_load((out / "latest" / "config.yaml").read_text())
     assert config["task"]["class_path"] == "keywords.KeywordClassifier"

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchloom
+from cli_util import run_cli  # the torchloom command, in this process
 from torchloom.checkpoint import list_checkpoints, read_manifest
 from torchloom.testing import TinyTask, tiny_dataset, tiny_fit
 
@@ -568,12 +569,6 @@ class Regression(TinyTask):
     def predict_step(self, batch, batch_idx):
         return self.model(batch[0])
 '''
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torchloom.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture(scope="module")

@@ -148,6 +148,7 @@ HF_COMMANDS = [
 ]
 
 
+@pytest.mark.slow  # the HF Trainer and torchloom, each a fine-tune end to end
 def test_the_hf_trainer_guide_runs_and_trains_what_the_trainer_trains(tmp_path, capsys):
     printed = run_page("migrate-hf-trainer.md", HF_COMMANDS, tmp_path, capsys)
     # The converted file is the YAML the page shows (the transformers that read the arguments aside).

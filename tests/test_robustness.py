@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import torchloom
+from cli_util import run_cli  # the torchloom command, in this process
 from torchloom.testing import TinyTask, tiny_fit
 
 
@@ -158,13 +157,7 @@ def test_cli_reports_a_config_error_raised_by_a_task_init_in_one_line(tmp_path):
     (tmp_path / "c.yaml").write_text(
         json.dumps({"engine": {"output_dir": str(tmp_path / "run")}, "task": {"class_path": "strict.Strict"}})
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchloom.cli", "fit", "--config", "c.yaml", "--task.init_args.lr=-1"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("fit", "--config", "c.yaml", "--task.init_args.lr=-1", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr == "torchloom: error: Strict: lr=-1.0; expected a number > 0\n"
 

@@ -15,6 +15,15 @@ from pathlib import Path
 from typing import Any
 
 MP_DIR = Path(__file__).parent / "mp"
+#: The test being run (set by tests/conftest.py before its fixtures): `torchrun` checks it is marked multiprocess.
+current_test: Any = None
+
+
+def require_multiprocess_marker(what: str) -> None:
+    """Fail unless the running test is marked ``multiprocess``: the quick subset (``-m "not slow and not
+    multiprocess"``, CONTRIBUTING.md) starts no torchrun, whoever adds one."""
+    if current_test is not None and current_test.get_closest_marker("multiprocess") is None:
+        raise AssertionError(f"{current_test.nodeid} starts {what}: mark it @pytest.mark.multiprocess")
 
 
 def torchrun(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: float = 240) -> list[Any]:
@@ -30,6 +39,7 @@ def torchrun(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: fl
     Raises:
         AssertionError: the launch failed or hung (its output is in the message).
     """
+    require_multiprocess_marker(f"torchrun {script}")
     env = {
         **os.environ,
         "ACCELERATE_USE_CPU": "1",

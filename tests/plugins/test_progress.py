@@ -19,9 +19,11 @@ import torch
 import yaml
 from torch.utils.data import DataLoader, IterableDataset
 
+import cli_util
 import torchloom
 from torchloom.testing import TinyTask, tiny_dataset
 from torchloom_plugins.progress import ProgressBar, batch_size, metric_direction
+from torchrun_util import require_multiprocess_marker
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_PATHS = [str(ROOT / "src"), str(ROOT / "plugins")]
@@ -383,18 +385,10 @@ def test_disabled_prints_nothing_and_writes_nothing(tmp_path, capsys) -> None:
 
 
 def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environ = {**os.environ, **(env or {})}
-    environ["PYTHONPATH"] = os.pathsep.join([*SOURCE_PATHS, *filter(None, [environ.get("PYTHONPATH")])])
-    for variable in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR"):
-        environ.pop(variable, None)
-    return subprocess.run(
-        [sys.executable, "-m", "torchloom.cli", *args],
-        cwd=cwd,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """The command in this process (tests/cli_util.py), its output a pipe as under ``subprocess.run``, whatever the
+    terminal the tests run in says."""
+    unset: dict[str, str | None] = {variable: None for variable in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR")}
+    return cli_util.run_cli(*args, cwd=cwd, env={**unset, **(env or {})})
 
 
 def write_config(tmp_path: Path, plugins: Any = None) -> None:
@@ -468,6 +462,7 @@ def test_two_processes_print_once_and_count_the_samples_of_both(tmp_path) -> Non
     write_config(tmp_path)
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(SOURCE_PATHS)
+    require_multiprocess_marker("torchrun")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.run(
         [*command, "-m", "torchloom.cli", "fit", "--config", "c.yaml"],

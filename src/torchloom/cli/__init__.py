@@ -22,7 +22,9 @@ changes that key and keeps the others. Both kinds of values are read as the conf
 (`torchloom.cli._yaml.ConfigLoader`: YAML, with ``1e-3`` a float), and both are applied after the config files and
 the other options. The directory of the ``--config`` file (and the working directory) go on ``sys.path`` *after* the
 installed packages, so tasks defined next to it import by module name but a file there cannot shadow a library; a
-``class_path`` imports (runs) the module it names::
+``class_path`` imports (runs) the module it names. They are on the path for the time of the command only: when
+`main` returns, ``sys.path`` is as it was and the modules imported from them are forgotten, so a second `main` in
+the same process runs its own project's modules::
 
     torchloom fit --config run.yaml --resume [PATH]                       # continue from the latest checkpoint
 
@@ -53,7 +55,7 @@ from typing import Any
 from torchloom import TorchloomError, TrainingInterrupted, quiet_libraries
 
 from ._config import load_run_config
-from ._environment import put_config_dir_on_path, quiet_other_processes
+from ._environment import project_imports, put_config_dir_on_path, quiet_other_processes
 from ._options import take_cli_options
 from ._parser import COMMANDS, RUN_COMMANDS, build_parser
 from .fit import take_resume_options
@@ -73,30 +75,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str], command: str | None) -> int:
     quiet_other_processes(os.environ)
-    put_config_dir_on_path(argv)
-    try:
-        # The run commands' parsers import torch (they describe TaskModule / DataModule); the others start without.
-        full = command in RUN_COMMANDS or (command == "plugins" and any(a.startswith("--config") for a in argv))
-        parser, run_parsers = build_parser(run_commands=full)
-        if command in RUN_COMMANDS:
-            argv, plugin_options, print_flags = take_cli_options(argv, argv.index(command) + 1)
-            argv, resume = take_resume_options(argv, command)
-            cfg, _ = load_run_config(parser, argv, command, plugin_options)
-            if print_flags is not None:
-                sys.stdout.write(run_parsers[command].dump(cfg[command], **print_flags))
-                return 0
-            return _run_command(parser, cfg, command, **resume)
-        cfg = parser.parse_args(argv)
-        return int(COMMANDS[cfg.subcommand].run(parser, cfg[cfg.subcommand]))
-    except TrainingInterrupted as exc:  # a checkpoint was saved: the status tells a scheduler to requeue
-        print(f"torchloom: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except TorchloomError as exc:
-        print(f"torchloom: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
-        return 2
-    except KeyboardInterrupt:
-        print("torchloom: interrupted", file=sys.stderr)
-        return 130
+    with project_imports():  # a second main() in this process imports its own project's modules
+        put_config_dir_on_path(argv)
+        try:
+            # The run commands' parsers import torch (they describe TaskModule / DataModule); the others start
+            # without.
+            full = command in RUN_COMMANDS or (command == "plugins" and any(a.startswith("--config") for a in argv))
+            parser, run_parsers = build_parser(run_commands=full)
+            if command in RUN_COMMANDS:
+                argv, plugin_options, print_flags = take_cli_options(argv, argv.index(command) + 1)
+                argv, resume = take_resume_options(argv, command)
+                cfg, _ = load_run_config(parser, argv, command, plugin_options)
+                if print_flags is not None:
+                    sys.stdout.write(run_parsers[command].dump(cfg[command], **print_flags))
+                    return 0
+                return _run_command(parser, cfg, command, **resume)
+            cfg = parser.parse_args(argv)
+            return int(COMMANDS[cfg.subcommand].run(parser, cfg[cfg.subcommand]))
+        except TrainingInterrupted as exc:  # a checkpoint was saved: the status tells a scheduler to requeue
+            print(f"torchloom: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except TorchloomError as exc:
+            print(f"torchloom: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
+            return 2
+        except KeyboardInterrupt:
+            print("torchloom: interrupted", file=sys.stderr)
+            return 130
 
 
 def _run_command(parser: Any, cfg: Any, command: str, **options: Any) -> int:
