@@ -269,6 +269,7 @@ def test_under_the_engine_the_order_is_the_engine_seeds_and_resumes_exactly(tmp_
         _fit(tmp_path, "bc", Rows(), ckpt=b.saved[0], batch_size=2)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_shard_one_order_and_resume_exactly(tmp_path) -> None:
     sys.path.insert(0, str(MP_DIR))
     from length_grouped import BATCH, LENGTHS, SEED, N

@@ -72,15 +72,15 @@ class CausalLMData(TextData):
         add_bos (`bool`, defaults to True): start every sequence (a document, a prompt) with the tokenizer's BOS
             token, where it has one (Llama's and Mistral's do; chat sequences start as the template renders them).
         pad_to_multiple_of (`int`, *optional*): pad each batch's length up to a multiple of this.
-        group_by_length (`bool`, defaults to False): batch training sequences of similar length together (the HF
-            Trainer's ``group_by_length``; see `TextData`); refused with ``packing=True`` (and ``concatenate=True``),
-            whose rows all have about ``max_length`` tokens.
         generation (`bool`, defaults to False): prompt / completion and chat data only: also store each validation
             row's prompt alone and its reference completion text, and give every validation (and predict) batch a
             ``generation`` entry, ``{"input_ids", "attention_mask"}`` (the prompts, left-padded) and
             ``"reference"`` (the texts), for the ``generate`` plugin. A ``validation_step`` pops it, as it pops
             ``num_items``. Not with ``packing`` (a packed row holds several prompts).
-        **settings: the settings of `CachedDataModule` (``batch_size``, ``shuffle``, ``cache_dir`` ...).
+        **settings: the settings of `TextData` and `CachedDataModule` (``batch_size``, ``shuffle``, ``cache_dir``
+            ...). ``group_by_length`` (defaults to False) batches training sequences of similar length together
+            (the HF Trainer's setting; see `TextData`); it is refused with ``packing=True`` (and
+            ``concatenate=True``), whose rows all have about ``max_length`` tokens.
 
     Attributes:
         overlong (`dict[str, int]`): after processing, by split: the rows longer than ``max_length``.
