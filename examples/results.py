@@ -35,8 +35,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
-FINE_FOODS, FASHION_MNIST, KEYWORDS, INDEX = (
-    f"docs/examples/{name}.md" for name in ("fine_foods", "fashion_mnist", "keywords", "index")
+FINE_FOODS, FASHION_MNIST, KEYWORDS, INDEX, CHAT = (
+    f"docs/examples/{name}.md" for name in ("fine_foods", "fashion_mnist", "keywords", "index", "fine_foods_chat")
 )
 
 #: run id -> its config and overrides, and where a page quotes it: ``quoted`` maps a page to the first cell of the
@@ -117,6 +117,15 @@ RUNS: dict[str, dict[str, Any]] = {
         "overrides": ["--engine.max_epochs=3"],
         "quoted": [(KEYWORDS, "shorter: `engine.max_epochs=3` (what the test runs)")],
         "shown": {"val/accuracy": 4, "val/chance_rate": 3},
+    },
+    "fine_foods_chat/fine_tuned": {
+        "config": "fine_foods_chat.yaml",
+        "overrides": [],
+        "quoted": [
+            (CHAT, "fine-tuned: **`torchloom fit --config examples/fine_foods_chat.yaml`**"),
+            (INDEX, "[fine_foods_chat](fine_foods_chat.md): is this review a 5-star one? (chat)", ["val/accuracy"]),
+        ],
+        "shown": {"val/accuracy": 3, "val/majority_rate": 3, "val/loss": 3},
     },
 }
 

