@@ -51,7 +51,7 @@ _EXPORTS = {
     "is_terminal": "torchloom._output",
     "json_dumps": "torchloom._strict_json",
     "load_plugin_state": "torchloom.state",
-    "prune_checkpoints": "torchloom.checkpoint",
+    "prune_checkpoints": "torchloom._retention",
     "quiet_libraries": "torchloom._output",
     "RankAgreement": "torchloom._agreement",
     "rank_agreement": "torchloom._context",
@@ -133,8 +133,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._memory_plan import estimate_memory
     from torchloom._names import INTERNAL_PREFIX
     from torchloom._output import is_terminal, quiet_libraries
+    from torchloom._retention import prune_checkpoints
     from torchloom._strict_json import json_dumps
-    from torchloom.checkpoint import delete_checkpoint, prune_checkpoints
+    from torchloom.checkpoint import delete_checkpoint
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule
     from torchloom.engine import Engine

@@ -1,0 +1,76 @@
+"""Checkpoints bounded over the runs of one ``output_dir`` (`prune_checkpoints`): what the ``checkpoint`` plugin's
+``keep_across_runs`` applies after each save, as the HF Trainer's ``save_total_limit`` bounds one output directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from torchloom import _atomic as atomic
+from torchloom._layout import CHECKPOINTS_DIR, run_directories
+from torchloom.checkpoint import _run_checkpoints, delete_checkpoint
+from torchloom.errors import CheckpointError
+from torchloom.monitor import Monitor
+
+__all__ = ["prune_checkpoints"]
+
+
+def prune_checkpoints(
+    output_dir: str | os.PathLike[str],
+    keep: int,
+    *,
+    spare: Iterable[str | os.PathLike[str]] = (),
+    monitor: str | None = None,
+    mode: str = "min",
+    keep_best: int = 1,
+) -> list[str]:
+    """Delete the oldest complete checkpoints of the run directories of ``output_dir`` (its ``version_N``, as
+    `list_checkpoints` orders them: by run, then by step) beyond the newest ``keep``. Call it on the main process
+    only. Return the checkpoints deleted, oldest first.
+
+    Never deleted, whatever their age: the checkpoints named in ``spare`` (the one a fit resumed from, the best ones
+    it keeps); with ``monitor``, the ``keep_best`` best by the value of ``monitor`` each manifest recorded
+    (``mode`` ``"min"`` or ``"max"``; NaN is never the best, an earlier checkpoint wins a tie); and every checkpoint
+    of a run directory that another running process marked in use (a fit still running there: see
+    `torchloom._atomic.mark_in_use`). Nothing outside ``output_dir``'s own run directories is touched (a
+    ``version_N`` that is a link to elsewhere is left alone). Each deletion is `delete_checkpoint`'s: renamed out
+    of sight, then removed; one that another process deleted first is skipped.
+
+    Raises:
+        ValueError: ``keep`` or ``keep_best`` below 1, or an unknown ``mode``.
+        OSError: a checkpoint cannot be renamed or removed.
+    """
+    if keep < 1 or keep_best < 1 or mode not in Monitor.MODES:
+        raise ValueError(f"prune_checkpoints: keep={keep!r}, keep_best={keep_best!r}, mode={mode!r}")
+    root = Path(output_dir).resolve()
+    runs = [run for run in run_directories(root) if not run.is_symlink() and run.resolve().parent == root]
+    found = [  # a link to a checkpoint elsewhere (the checkpoint, or its checkpoints/ folder) is not this output_dir's
+        (candidate, manifest, run)
+        for run in runs
+        for candidate, manifest in _run_checkpoints(run)
+        if not candidate.is_symlink() and candidate.resolve() == run / CHECKPOINTS_DIR / candidate.name
+    ]
+    kept = {candidate for candidate, _, _ in found[-keep:]}
+    kept |= {Path(path).resolve() for path in spare}
+    if monitor is not None:
+        scored = []
+        for candidate, manifest, _ in found:
+            value = (manifest.get("metrics") or {}).get(monitor)
+            if isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value):
+                scored.append((float(value), candidate))
+        scored.sort(key=lambda entry: entry[0], reverse=mode == "max")  # stable: the earlier one first on a tie
+        kept |= {candidate for _, candidate in scored[:keep_best]}
+    busy = {run for run in runs if atomic.in_use_elsewhere(run)}
+    deleted = []
+    for candidate, _, run in found:
+        if candidate in kept or run in busy:
+            continue
+        try:
+            delete_checkpoint(candidate)
+        except (CheckpointError, FileNotFoundError):  # deleted by another process meanwhile
+            continue
+        deleted.append(str(candidate))
+    return deleted
