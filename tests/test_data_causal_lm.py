@@ -7,6 +7,7 @@ template added (saved to a temporary directory), and a tiny `transformers.LlamaF
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import random
 import sys
@@ -360,6 +361,23 @@ def test_two_processes_accumulate_the_big_batch_gradient_over_packed_and_padded_
         # The mean of the micro-batch means (normalization="mean") weights the tokens unevenly: far off.
         means = torchrun("causal_lm_accum.py", tmp_path, layout, str(batch_size), "mean")
         assert min(r["max_diff"] for r in means) > 1e-3, layout
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_packing_efficiency_is_in_the_fits_first_record_only(tmp_path, chat_tokenizer, packing) -> None:
+    data = PromptCompletionData(
+        pairs(9), tokenizer=chat_tokenizer, max_length=24, packing=packing, batch_size=2, cache_dir=tmp_path / "c"
+    )
+    engine = torchloom.Engine(max_epochs=1, output_dir=str(tmp_path / "run"), log_every_n_steps=1)
+    engine.fit(LMTask(transformers.AutoTokenizer.from_pretrained(chat_tokenizer)), datamodule=data)
+    records = [json.loads(line) for line in (Path(engine.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == len(data.train_dataset) // 2 + len(data.train_dataset) % 2 > 1
+    logged = [(r["step"], r["data/train_packing_efficiency"]) for r in records if "data/train_packing_efficiency" in r]
+    if packing:
+        real = sum(data.train_dataset["length"])
+        assert logged == [(1, real / (len(data.train_dataset) * 24))] and 0 < logged[0][1] < 1
+    else:
+        assert logged == [] and data.fit_log_values() == {}
 
 
 def test_a_fit_with_packed_data_refuses_a_model_that_would_mix_sequences(tmp_path, chat_tokenizer) -> None:

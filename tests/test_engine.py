@@ -314,7 +314,7 @@ def test_predict_hook_sequence(tmp_path):
     predictions = engine.predict(TinyTask(), DataLoader(x, batch_size=4))
     assert rec.calls == [
         *["setup", "configure_accelerator", "configure_model", "on_run_start", "on_predict_start"],
-        *["on_predict_batch_end"] * 3,
+        *["run_predict_step", "on_predict_batch_end"] * 3,
         *["on_predict_end", "teardown"],
     ]
     assert [p for hook, p in rec.records if hook == "teardown"] == ["predict"]
@@ -340,7 +340,7 @@ def test_validate_and_predict_after_fit_reuse_the_trained_model(tmp_path):
         "setup",
         "on_run_start",
         "on_predict_start",
-        *["on_predict_batch_end"] * 2,
+        *["run_predict_step", "on_predict_batch_end"] * 2,
         "on_predict_end",
         "teardown",
     ]

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_util import run_cli
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONFIG = EXAMPLES / "fine_foods_chat.yaml"
 FEW = {"train_reviews": 16, "val_reviews": 8, "max_review_chars": 120}  # max_length 256: 2-4 per row
@@ -160,6 +162,19 @@ def test_cli_fit_on_a_tiny_llama_logs_generation_metrics_and_saves_a_reloadable_
     name = "model.layers.0.mlp.up_proj.weight"  # trained: the saved weights are not the initial ones
     assert not torch.equal(dict(model.named_parameters())[name], _weights(tiny_model)[name])
     assert (out / "latest" / "model" / "tokenizer.json").is_file()
+    first_training = next(r for r in records if "train/loss" in r)
+    assert 0.5 < first_training["data/train_packing_efficiency"] <= 1.0  # the packing efficiency, logged once
+    assert sum("data/train_packing_efficiency" in r for r in records) == 1
+
+    # torchloom predict with the same config: the generate plugin writes each review's prompt and generation.
+    predicted = run_cli("predict", "--config", str(CONFIG), *overrides, f"--ckpt_path={out / 'latest'}", cwd=tmp_path)
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    [written] = out.glob("version_*/predictions.jsonl")
+    lines = [json.loads(line) for line in written.read_text().splitlines()]
+    assert len(lines) == FEW["val_reviews"] and all(
+        set(line) == {"prompt", "generation", "reference"} for line in lines
+    )
+    assert {line["reference"] for line in lines} <= {"yes", "no"} and all("<|im_start|>" in x["prompt"] for x in lines)
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -191,6 +191,7 @@ FIRED_IN = {
     "on_validation_batch_end": {"fit", "validate"},
     "on_validation_end": {"fit", "validate"},
     "on_predict_start": {"predict"},
+    "run_predict_step": {"predict"},
     "on_predict_batch_end": {"predict"},
     "on_predict_end": {"predict"},
     "on_log": {"fit", "validate"},

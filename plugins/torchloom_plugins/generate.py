@@ -16,8 +16,11 @@ Method card
 - **Model:** ``accelerator.unwrap_model(model).generate(...)`` (a DDP wrapper has no ``generate``), in eval mode
   under ``torch.no_grad``; every module gets its own mode back. FSDP is refused before training (sharded
   parameters would need every process in each forward of a generation of a different length).
+- **Predict:** ``Engine.predict`` / ``torchloom predict`` write each sample's prompt, generation and reference to
+  ``predictions.jsonl`` (``run_predict_step``), unless the task defines its own ``predict_step`` (it then runs, as
+  it would without the plugin) or ``predict`` is false.
 - **Hooks:** ``configure_model`` (checks: a model with ``generate``, no FSDP, a tokenizer), ``on_validation_start``,
-  ``on_validation_batch_end``, ``on_validation_end``.
+  ``on_validation_batch_end``, ``on_validation_end``, ``run_predict_step``.
 - **Cost:** one ``generate`` call per validation batch (up to ``max_new_tokens`` forward passes) and one gather
   of the texts per pass; nothing during training.
 - **Sources:** transformers' ``GenerationMixin.generate`` (left padding for decoder-only models, ``pad_token_id``);
@@ -26,7 +29,6 @@ Method card
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import re
@@ -129,6 +131,10 @@ class GenerateConfig:
         tokenizer (`str`, *optional*): a tokenizer directory to decode with; default the task's ``tokenizer``
             attribute (a tokenizer or its path).
         prefix (`str`, defaults to ``"val/"``): put before every metric name when logged.
+        predict (`bool`, defaults to True): ``Engine.predict`` (``torchloom predict``) generates from every batch's
+            ``batch_key`` entry and writes ``{"prompt", "generation", "reference"}`` per sample to
+            ``predictions.jsonl`` (`predict_generations`), unless the task defines its own ``predict_step``, which
+            then runs instead.
 
     Raises:
         ConfigError: a bad value, an unknown metric name (with the closest one), a path that does not import, a
@@ -145,14 +151,16 @@ class GenerateConfig:
     batch_key: str = "generation"
     tokenizer: str | None = None
     prefix: str = "val/"
+    predict: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "every_n_validations"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise torchloom.ConfigError(f"generate: setting {name!r} = {value!r}; expected an integer >= 1")
-        if not isinstance(self.do_sample, bool):
-            raise torchloom.ConfigError(f"generate: setting 'do_sample' = {self.do_sample!r}; expected true or false")
+        for name in ("do_sample", "predict"):
+            if not isinstance(value := getattr(self, name), bool):
+                raise torchloom.ConfigError(f"generate: setting {name!r} = {value!r}; expected true or false")
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise torchloom.ConfigError(
                 f"generate: setting 'stop_strings' = {self.stop_strings!r}; expected non-empty strings"
@@ -182,8 +190,8 @@ class GenerateConfig:
             elif "." in entry or ":" in entry:
                 functions[re.split(r"[.:]", entry)[-1]] = _load_callable(entry)
             else:
-                close = difflib.get_close_matches(entry, list(METRICS), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                close = torchloom.closest_name(entry, METRICS)
+                hint = f"; did you mean {close!r}?" if close else "."
                 raise torchloom.ConfigError(
                     f"generate: setting 'metrics': unknown metric {entry!r}{hint} Valid: {', '.join(METRICS)}, or a "
                     "dotted path to a function (predictions, references) -> float"
@@ -320,28 +328,45 @@ class Generate(torchloom.Plugin):
         self._model = accelerator.unwrap_model(model)
         self._local = []
 
-    @torchloom.hookimpl
-    def on_validation_batch_end(self, batch: Any, accelerator) -> None:
-        if not self._active:
-            return
+    def _prompts(self, batch: Any, stage: str) -> Mapping[str, Any]:
+        """The batch's ``batch_key`` entry, refusing a batch without one."""
         key = self.config.batch_key
         prompts = batch.get(key) if isinstance(batch, Mapping) else None
         if not isinstance(prompts, Mapping) or "input_ids" not in prompts or "reference" not in prompts:
             keys = sorted(map(str, batch)) if isinstance(batch, Mapping) else type(batch).__name__
             raise torchloom.ConfigError(
-                f"generate: the validation batch has no {key!r} entry with input_ids, attention_mask and reference "
+                f"generate: the {stage} batch has no {key!r} entry with input_ids, attention_mask and reference "
                 f"(it has {keys}); use PromptCompletionData or ChatData with generation=True, or set 'batch_key'"
             )
-        texts = generate_texts(
-            self._model,
-            prompts,
-            self.tokenizer,
-            max_new_tokens=self.config.max_new_tokens,
-            do_sample=self.config.do_sample,
-            stop_strings=self.config.stop_strings,
-            **self.config.generate_kwargs,
-        )
+        return prompts
+
+    def _settings(self) -> dict[str, Any]:
+        config = self.config
+        return {
+            "max_new_tokens": config.max_new_tokens,
+            "do_sample": config.do_sample,
+            "stop_strings": config.stop_strings,
+            **config.generate_kwargs,
+        }
+
+    @torchloom.hookimpl
+    def on_validation_batch_end(self, batch: Any, accelerator) -> None:
+        if not self._active:
+            return
+        prompts = self._prompts(batch, "validation")
+        texts = generate_texts(self._model, prompts, self.tokenizer, **self._settings())
         self._local.extend(zip(texts, list(prompts["reference"]), strict=True))
+
+    @torchloom.hookimpl
+    def run_predict_step(self, task: torchloom.TaskModule, model: torch.nn.Module, batch: Any, accelerator) -> Any:
+        """Generations for ``predictions.jsonl`` (`predict_generations`), unless the task has its own
+        ``predict_step`` or ``predict`` is off (``None``: the task's ``predict_step`` runs)."""
+        if not self.config.predict or type(task).predict_step is not torchloom.TaskModule.predict_step:
+            return None
+        self._prompts(batch, "prediction")
+        return predict_generations(
+            accelerator.unwrap_model(model), batch, self.tokenizer, batch_key=self.config.batch_key, **self._settings()
+        )
 
     @torchloom.hookimpl
     def on_validation_end(self, log, accelerator) -> None:

@@ -26,7 +26,6 @@ scheduler: cosine, warmup_ratio: 0.05}}``.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 import logging
@@ -173,8 +172,8 @@ class OptimizerConfig:
         if self.scheduler is not None:
             valid = _schedule_names()
             if self.scheduler not in valid:
-                close = difflib.get_close_matches(self.scheduler, valid, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                close = torchloom.closest_name(self.scheduler, valid)
+                hint = f" (did you mean {close!r}?)" if close else ""
                 raise ConfigError(f"setting 'scheduler' = {self.scheduler!r}{hint}: expected one of {', '.join(valid)}")
         if self.lr is None and self.scheduler not in (None, "constant"):
             raise ConfigError(

@@ -38,6 +38,7 @@ _EXPORTS = {
     "TorchloomError": "torchloom.errors",
     "TrainingInterrupted": "torchloom.errors",
     "build_config": "torchloom.plugins",
+    "closest_name": "torchloom._suggest",
     "convert_hf_args": "torchloom._hf_args",
     "delete_checkpoint": "torchloom.checkpoint",
     "enable_plugins": "torchloom.plugins",
@@ -85,6 +86,7 @@ __all__ = [
     "TrainingInterrupted",
     "__version__",
     "build_config",
+    "closest_name",
     "convert_hf_args",
     "delete_checkpoint",
     "enable_plugins",
@@ -135,6 +137,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._output import is_terminal, quiet_libraries
     from torchloom._retention import prune_checkpoints
     from torchloom._strict_json import json_dumps
+    from torchloom._suggest import closest_name
     from torchloom.checkpoint import delete_checkpoint
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule

@@ -48,15 +48,22 @@ def validation_pass(task: Any, run: Any, logs: Any, progress: Any) -> None:
 
 
 def prediction_pass(task: Any, run: Any) -> list[Any]:
-    """Run ``predict_step`` over the run's prediction data with the prediction hooks (eval mode, no gradients);
-    return this process's outputs, one per batch, without Accelerate's padding copies (a process whose share of a
-    batch is only copies drops its output)."""
+    """Run ``run_predict_step`` (the first plugin's outputs), else ``predict_step``, over the run's prediction data
+    with the prediction hooks (eval mode, no gradients); return this process's outputs, one per batch, without
+    Accelerate's padding copies (a process whose share of a batch is only copies drops its output)."""
     relay, acc, loader = run.relay, run.accelerator, run.predict_dataloader
     predictions: list[Any] = []
     with eval_mode(run.model), torch.no_grad():
         relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
+        replaced = relay.implemented("run_predict_step")
         for batch_idx, batch in enumerate(loader):
-            outputs = task.predict_step(batch, batch_idx)
+            outputs = None
+            if replaced:
+                outputs = relay.call(
+                    "run_predict_step", task=task, model=run.model, batch=batch, batch_idx=batch_idx, accelerator=acc
+                )
+            if outputs is None:
+                outputs = task.predict_step(batch, batch_idx)
             rows = real_rows(loader, acc)  # the outputs lose Accelerate's padding copies
             if rows == 0:  # only copies on this process
                 continue

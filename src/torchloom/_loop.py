@@ -28,7 +28,7 @@ from torchloom._lineage import Resumed, read_resumed, training_record, write_res
 from torchloom._logbuffer import WEIGHT_PREFIX
 from torchloom._random_states import set_random_states
 from torchloom._runfiles import finish_fit
-from torchloom._setup import sanity_check
+from torchloom._setup import log_data_values, sanity_check
 from torchloom.checkpoint import load_checkpoint, write_checkpoint
 from torchloom.errors import ConfigError, RunFileError
 from torchloom.step import StepHooks
@@ -92,6 +92,7 @@ class FitLoop:
                 begin = {"optimizer": run.optimizer, "scheduler": run.scheduler, "log": self.logs.log}
                 start_args = {"progress": self.state.progress(), "resumed": self.resumed}
                 run.relay.call("on_fit_start", **end, **begin, **start_args)
+                log_data_values(run.datamodule, self.logs)
                 sanity_check(self.task, run, self.config.num_sanity_val_steps, self.logs)
                 self.train(start)
                 self.end()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchloom._suggest import closest
+from torchloom._suggest import closest_name
 from torchloom.errors import ConfigError, TorchloomError
 
 __all__ = ["CHECKPOINT_PLUGIN", "ForwardFn", "Source", "construct", "fake_copy", "load_source"]
@@ -162,7 +162,7 @@ def _build_hf(config: Any, architecture: str | None, mode: Any) -> torch.nn.Modu
         name = next((registered[k] for k in kinds if k in registered), None)
     cls = getattr(transformers, name, None) if name else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        close = closest(str(name), sorted(set(registered.values())))
+        close = closest_name(str(name), sorted(set(registered.values())))
         hint = f"; did you mean {close!r}?" if close else "."
         raise ConfigError(f"architecture {name!r} is not a transformers model class{hint} {valid}")
     config_class: Any = cls.config_class

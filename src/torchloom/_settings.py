@@ -4,7 +4,7 @@ Every bad setting is one `ConfigError` of one shape, ``<owner>: <what>``, where 
 ``plugin 'grad_clip'`` or a data module's class name:
 
 - an unknown name: ``engine: unknown setting 'max_epoch'; did you mean 'max_epochs'? Valid settings: max_epochs,
-  ...`` (the suggestion by `torchloom._suggest.closest`, when one is close);
+  ...`` (the suggestion by `torchloom._suggest.closest_name`, when one is close);
 - a value of the wrong type, by the field's annotation: ``plugin 'hello': setting 'times' = 'three' (str);
   expected int`` (an ``int`` is taken for a ``float``, a list for a ``tuple``);
 - a value out of range, from the settings class's own checks: ``engine: setting 'max_epochs' = 0; expected a
@@ -37,7 +37,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Union
 
-from torchloom._suggest import closest
+from torchloom._suggest import closest_name
 from torchloom.errors import ConfigError
 
 __all__ = [
@@ -59,7 +59,7 @@ def invalid(name: str, value: Any, expected: str, *, owner: str | None = None, s
 
 def unknown_setting(owner: str, name: Any, valid: Sequence[str]) -> ConfigError:
     """The error of an unknown setting name, with the closest valid one when there is one, and all valid ones."""
-    close = closest(str(name), valid)
+    close = closest_name(str(name), valid)
     hint = f"; did you mean {close!r}?" if close else "."
     return ConfigError(f"{owner}: unknown setting {name!r}{hint} Valid settings: {', '.join(valid) or '(none)'}")
 

@@ -45,6 +45,7 @@ class Run:
     val_dataloader: Any = None
     predict_dataloader: Any = None
     run_dir: str = ""  # this call's directory, <output_dir>/version_N
+    datamodule: Any = None  # the call's data module, when it has one
     agreement: RankAgreement = field(default_factory=lambda: RankAgreement(1))  # how the processes decide alike
 
 
@@ -115,7 +116,9 @@ def prepare_run(
     if accelerator.is_main_process:
         start_run_files(run_dir, run_config)
     agreement = RankAgreement(accelerator.num_processes)
-    return Run(accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl, run_dir, agreement)
+    return Run(
+        accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl, run_dir, datamodule, agreement
+    )
 
 
 def _seed_sampler(loader: Any, seed: int | None) -> None:
@@ -197,6 +200,18 @@ def engine_relay(plugins: list[Any], default_step: Any, metrics_file: Any) -> Ho
     """The enabled plugins in the user's order, then the engine's own implementations (the default step, the
     ``metrics.jsonl`` writer), registered as every run registers them."""
     return HookRelay([*plugins, default_step, metrics_file])
+
+
+def log_data_values(datamodule: Any, logs: Any) -> None:
+    """Log the data module's `fit_log_values` (`torchloom.DataModule.fit_log_values`) with ``reduce="last"``,
+    once per fit, after ``on_fit_start``; a data module without the method (duck-typed) logs nothing.
+
+    Raises:
+        TaskError: a value that is not a number, or a bad name (as `TaskModule.log` raises).
+    """
+    values = datamodule.fit_log_values() if callable(getattr(datamodule, "fit_log_values", None)) else {}
+    for name, value in values.items():
+        logs.log(name, value, reduce="last")
 
 
 def sanity_check(task: TaskModule, run: Run, num_batches: int, logs: Any) -> None:

@@ -537,6 +537,29 @@ def on_predict_start(task: TaskModule, model: torch.nn.Module, accelerator: Acce
     """
 
 
+@hookspec(firstresult=True)
+def run_predict_step(
+    task: TaskModule, model: torch.nn.Module, batch: Any, batch_idx: int, accelerator: Accelerator
+) -> Any:
+    """Compute one prediction batch's outputs in place of `TaskModule.predict_step`, or return ``None``.
+
+    **Fires:** once per prediction batch, on every rank (the padding copies of the last batch included: they are cut
+    off the outputs afterwards), in eval mode under ``torch.no_grad``, before the task's ``predict_step``.
+
+    **Returns:** the batch's outputs, as ``predict_step`` would return them, or ``None``. The first non-None result
+    wins: it is the batch's outputs (``on_predict_batch_end`` gets it, ``predictions.jsonl`` writes it) and the
+    task's ``predict_step`` is not called; when every implementation returns ``None`` (or none exists), the task's
+    ``predict_step`` runs. An implementation should return ``None`` when the task defines its own ``predict_step``
+    (the ``generate`` plugin does), so that the user's code wins.
+
+    :param task: the user's task.
+    :param model: the prepared model (a DDP wrapper: ``accelerator.unwrap_model(model)`` for ``generate``).
+    :param batch: the batch, on the device.
+    :param batch_idx: the batch's index in the prediction data (0-based).
+    :param accelerator: the run's Accelerator.
+    """
+
+
 @hookspec
 def on_predict_batch_end(outputs: Any, batch: Any, accelerator: Accelerator) -> None:
     """Called after `TaskModule.predict_step` on one batch.

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from torchloom._suggest import closest
+from torchloom._suggest import closest_name
 from torchloom.errors import ConfigError, PluginError
 from torchloom.plugins import find_plugin, installed_plugins
 
@@ -164,7 +164,7 @@ def _unknown_name_message(name: str, candidates: list[Estimator], skipped: list[
             f"memory (a plugin does by defining {NAMES_ATTR} and {ESTIMATE_ATTR}){_not_asked(skipped)}"
         )
     known = [n for _, names, _ in candidates for n in names]
-    close = closest(name, known)
+    close = closest_name(name, known)
     hint = f"; did you mean {close!r}?" if close else "."
     return f"estimate_optimizer_memory: unknown optimizer {name!r}{hint} Valid: {_valid_names(candidates)}" + (
         _not_asked(skipped)

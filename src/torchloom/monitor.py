@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
-from torchloom._suggest import closest
+from torchloom._suggest import closest_name
 from torchloom.errors import ConfigError
 
 __all__ = ["HIGHER_IS_BETTER", "LOWER_IS_BETTER", "NO_BEST", "Monitor"]
@@ -242,7 +242,7 @@ class Monitor:
         if self.seen:
             return False
         logged = sorted(self.logged)
-        close = closest(self.name, logged)
+        close = closest_name(self.name, logged)
         hint = f"; did you mean {close!r}?" if close else "."
         warnings.warn(
             f"{self.plugin}: {self.setting} {self.name!r} was never logged during this fit, so {consequence}{hint} "

@@ -23,7 +23,7 @@ import pluggy
 
 from torchloom import hookspecs
 from torchloom._settings import build_settings
-from torchloom._suggest import closest
+from torchloom._suggest import closest_name
 from torchloom.errors import ConfigError, PluginError
 
 __all__ = [
@@ -210,7 +210,7 @@ def find_plugin(name: str, installed: Mapping[str, list[PluginInfo]] | None = No
                     f"unknown plugin {name!r}: {setting} allows none of the installed plugins "
                     f"({', '.join(everything) or 'none installed'}); list the plugins to allow in it, or unset it"
                 )
-        close = closest(name, installed)
+        close = closest_name(name, installed)
         hint = f" Did you mean {close!r}?" if close else ""
         raise PluginError(f"unknown plugin {name!r}.{hint} Installed plugins: {', '.join(installed) or '(none)'}")
     registrations = installed[name]

@@ -200,6 +200,10 @@ class RecordingPlugin:
         self._record("on_predict_start")
 
     @hookimpl
+    def run_predict_step(self) -> None:
+        self._record("run_predict_step")  # returns None: the task's predict_step still runs
+
+    @hookimpl
     def on_predict_batch_end(self) -> None:
         self._record("on_predict_batch_end")
 

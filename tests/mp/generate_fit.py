@@ -1,6 +1,7 @@
 """generate on N processes: 11 prompt / completion pairs, validation batches of 2 (on 2 processes the last batch
 is padded with copies), a tiny Llama. The metrics (a count, and a checksum of every (generation, reference) pair)
-and the predict shards must be what one process computes on the whole set. Also the helpers of
+and the predict shards (of the task's predict_step, and of the plugin's run_predict_step for a task without one)
+must be what one process computes on the whole set. Also the helpers of
 tests/plugins/test_generate.py (the tokenizer, the model, the task, the data)."""
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ class GenTask(torchloom.TaskModule):
         return torch.optim.SGD(self.model.parameters(), lr=0.0)
 
 
+class PlainGenTask(GenTask):
+    """GenTask with the default predict_step: the generate plugin's run_predict_step answers in its place."""
+
+    predict_step = torchloom.TaskModule.predict_step
+
+
 def count(predictions: list[str], references: list[str]) -> float:
     return float(len(predictions))
 
@@ -119,7 +126,10 @@ def main() -> None:
     shard = Path(engine.run_dir) / (
         "predictions.jsonl" if accelerator.num_processes == 1 else f"predictions.rank{accelerator.process_index}.jsonl"
     )
+    engine.predict(PlainGenTask(tokenizer), datamodule=data(tokenizer, out / "cache"))  # the plugin's generations
+    by_plugin = Path(engine.run_dir) / shard.name
     result = {
+        "by_plugin": [json.loads(line) for line in by_plugin.read_text().splitlines()],
         "world_size": accelerator.num_processes,
         "metrics": {k: v for k, v in metrics.items() if k != "val/loss"},
         "predictions": plugin.predictions,

@@ -182,6 +182,44 @@ def test_predict_writes_prompts_and_generations_one_line_per_sample(tmp_path, to
 # ------------------------------------------------------------------------------------------ 2 processes
 
 
+def predicted_lines(engine: torchloom.Engine) -> list[dict]:
+    return [json.loads(line) for line in (Path(engine.run_dir) / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_predict_with_the_plugin_writes_generations_for_a_task_without_predict_step(tmp_path, tokenizer_dir):
+    """The plugin answers run_predict_step: the lines a task's own predict_generations step writes, with the plugin's
+    settings; a task's own predict_step still wins, and predict=false leaves the task's (default) one."""
+    data = lambda: script.data(tokenizer_dir, tmp_path / "cache")  # noqa: E731
+    by_task = torchloom.Engine(output_dir=str(tmp_path / "task"), default_plugins=False)
+    by_task.predict(script.GenTask(tokenizer_dir), datamodule=data())  # predict_generations, max_new_tokens=NEW
+    by_plugin = torchloom.Engine(
+        output_dir=str(tmp_path / "plugin"), plugins=[Generate(**script.settings())], default_plugins=False
+    )
+    outputs = by_plugin.predict(script.PlainGenTask(tokenizer_dir), datamodule=data())
+    lines = predicted_lines(by_plugin)
+    assert len(lines) == 11 and [line["reference"] for line in lines] == script.pairs()["completion"]
+    assert lines == predicted_lines(by_task)
+    assert outputs[0]["generation"] == [line["generation"] for line in lines[: script.BATCH]]
+
+    class OwnStep(script.PlainGenTask):
+        def predict_step(self, batch, batch_idx):
+            return {"rows": batch["input_ids"].shape[0]}
+
+    own = torchloom.Engine(output_dir=str(tmp_path / "own"), plugins=[Generate(**script.settings())])
+    assert own.predict(OwnStep(tokenizer_dir), datamodule=data())[0] == {"rows": script.BATCH}
+    off = Generate(**script.settings(), predict=False)
+    assert off.run_predict_step(script.PlainGenTask(tokenizer_dir), None, {}, None) is None
+
+
+def test_predict_refuses_a_batch_without_prompts(tmp_path, tokenizer_dir):
+    data = PromptCompletionData(
+        script.pairs(16, seed=1), script.pairs(), tokenizer=tokenizer_dir, max_length=64, cache_dir=str(tmp_path)
+    )
+    engine = torchloom.Engine(output_dir=str(tmp_path / "run"), plugins=[Generate(**script.settings())])
+    with pytest.raises(torchloom.ConfigError, match=r"the prediction batch has no 'generation' entry"):
+        engine.predict(script.PlainGenTask(tokenizer_dir), datamodule=data)
+
+
 @pytest.mark.multiprocess
 def test_two_processes_count_each_sample_once_and_equal_one_process(tmp_path):
     script.make_tokenizer(tmp_path / "one" / "tokenizer")
@@ -197,6 +235,7 @@ def test_two_processes_count_each_sample_once_and_equal_one_process(tmp_path):
     shards = [row for r in two for row in r["predicted"]]
     key = lambda row: json.dumps(row, sort_keys=True)  # noqa: E731
     assert len(shards) == 11 and sorted(map(key, shards)) == sorted(map(key, one["predicted"]))
+    assert [r["by_plugin"] for r in two] == [r["predicted"] for r in two] and one["by_plugin"] == one["predicted"]
 
 
 # ------------------------------------------------------------------------------------------------ errors

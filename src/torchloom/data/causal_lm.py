@@ -289,6 +289,13 @@ class CausalLMData(TextData):
                     self.split_name(split), real, len(dataset), self.max_length, 100 * efficiency,
                 )  # fmt: skip
 
+    def fit_log_values(self) -> dict[str, float]:
+        """``data/train_packing_efficiency`` (real tokens / (rows x max_length) of the packed training split, a
+        fraction in (0, 1]) when the training split is packed; else nothing. Logged once per fit
+        (`torchloom.DataModule.fit_log_values`)."""
+        efficiency = self.packing_efficiency.get("train")
+        return {} if efficiency is None else {"data/train_packing_efficiency": efficiency}
+
     def collator(self) -> CausalLMCollator:
         """The batch collator (`CausalLMCollator`), padding with the tokenizer's pad (else EOS, else 0) token."""
         tokenizer = self.tokenizer

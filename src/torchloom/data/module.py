@@ -30,6 +30,18 @@ class DataModule:
             ConfigError: the model does not fit the data (says what to set instead).
         """
 
+    def fit_log_values(self) -> dict[str, float]:
+        """Values that describe the prepared training data, logged once per fit: ``name -> float``.
+
+        The engine logs each with ``reduce="last"`` right after ``on_fit_start`` (after `setup`), so they are in
+        the fit's first training record of ``metrics.jsonl`` and of every tracker, with the step of that record.
+        Name them as logged values are named (``data/...``). The default logs nothing.
+
+        Example: `torchloom.data.PromptCompletionData` with ``packing=True`` returns
+        ``{"data/train_packing_efficiency": 0.834}`` (real tokens / computed tokens of the packed training rows).
+        """
+        return {}
+
     def train_dataloader(self) -> Any:
         """Return the training dataloader."""
         return None
