@@ -41,12 +41,15 @@ import torchloom
 from torchloom import ConfigError
 
 __all__ = [
+    "IMPLEMENTATIONS",
     "OptimizerConfig",
     "OptimizerSwap",
+    "adamw_kernel",
     "create_optimizer",
     "create_scheduler",
     "decay_split",
     "estimate_state_bytes",
+    "fused_devices",
     "optimizer_state_bytes",
 ]
 
@@ -62,7 +65,10 @@ _ONLY_FOR = {
     "warmup_init": ("adafactor",),
     "embedding_32bit": _EIGHT_BIT,
     "min_8bit_size": _EIGHT_BIT,
+    "implementation": ("adamw",),
 }
+#: torch's AdamW implementations (the ``implementation`` setting), as the torch.optim documentation names them.
+IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
 #: How the 8-bit optimizers' error says to install bitsandbytes: the README's install line with the ``8bit`` extra.
 INSTALL_8BIT = 'python3 -m pip install -c constraints.txt -e ".[8bit]"'
 # Schedules whose step() needs a metric or a loss: the engine calls scheduler.step() without arguments.
@@ -92,6 +98,11 @@ class OptimizerConfig:
         weight_decay (`float`, defaults to 0.0): weight decay, >= 0, applied the way the chosen optimizer
             applies it, to every parameter except those ``no_decay`` matches.
         momentum (`float`, *optional*): sgd only, in [0, 1); ``None``: 0.
+        implementation (`str`, *optional*): adamw only: torch's ``fused`` kernel (one kernel per step for all
+            parameters), ``foreach`` (one multi-tensor op per state) or ``for_loop`` (one op per parameter); the
+            same update within rounding (`adamw_kernel`). ``None``: the fastest the device has, ``fused`` where
+            torch has the kernel for it (CPU, CUDA, MPS, XPU, ...; the HF Trainer's default ``adamw_torch_fused``),
+            else ``foreach``.
         no_decay (`list[str]`, defaults to ``["bias", "norm"]``): a parameter is exempt from weight decay when
             an item is a case-insensitive substring of its qualified name or of its module's class name
             (``LayerNorm``, ``LlamaRMSNorm``, ``BatchNorm1d``); ``[]`` decays everything.
@@ -126,6 +137,7 @@ class OptimizerConfig:
     eps: float | None = None  # Adam family: default 1e-8; adafactor: eps[0] (default 1e-30)
     weight_decay: float = 0.0  # applied to every parameter except those matched by no_decay
     momentum: float | None = None  # sgd only; default 0
+    implementation: Literal["fused", "foreach", "for_loop"] | None = None  # adamw only; default: fused if supported
     no_decay: list[str] = field(default_factory=lambda: ["bias", "norm"])  # substrings exempt from decay
     scale_parameter: bool | None = None  # adafactor: scale steps by the parameter's RMS; default: lr is null
     warmup_init: bool | None = None  # adafactor with lr null: time-dependent warm-up; default False
@@ -227,6 +239,45 @@ def decay_split(model: torch.nn.Module, no_decay: list[str] | tuple[str, ...]) -
     return decay, skip
 
 
+def fused_devices() -> tuple[str, ...]:
+    """The device types torch has fused optimizer kernels for (``cpu``, ``cuda``, ``mps``, ``xpu`` ... in torch
+    2.13), from torch's own list (``torch.utils._foreach_utils``, what ``fused=True`` is checked against); only
+    ``("cuda",)`` where a torch version lacks that function."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # pragma: no cover - torch versions before 2.2
+        return ("cuda",)
+    return tuple(_get_fused_kernels_supported_devices())
+
+
+def adamw_kernel(implementation: str | None, device_type: str) -> dict[str, bool]:
+    """The keyword arguments of `torch.optim.AdamW` that choose its implementation.
+
+    Args:
+        implementation (`str` or ``None``): ``"fused"``, ``"foreach"``, ``"for_loop"``, or ``None`` for the fastest
+            the device has: ``fused`` where torch has a fused kernel for ``device_type`` (`fused_devices`), else
+            ``foreach``. All three give the same update within float rounding (a few ulp; tests/plugins/
+            test_optimizer.py compares them).
+        device_type (`str`): the device the run trains on (``accelerator.device.type``).
+
+    Returns:
+        `dict[str, bool]`: ``{"fused": True}``, ``{"foreach": True}`` or ``{"foreach": False}``.
+
+    Raises:
+        ConfigError: ``"fused"`` on a device type torch has no fused kernel for.
+    """
+    if implementation is None:
+        implementation = "fused" if device_type in fused_devices() else "foreach"
+    if implementation == "fused":
+        if device_type not in fused_devices():
+            raise ConfigError(
+                f"setting 'implementation' = 'fused': torch has no fused AdamW for device {device_type!r} (it has "
+                f"one for {', '.join(fused_devices())}); use 'foreach' or leave it unset"
+            )
+        return {"fused": True}
+    return {"foreach": implementation == "foreach"}
+
+
 def create_optimizer(
     model: torch.nn.Module, config: OptimizerConfig, device_type: str = "cpu"
 ) -> torch.optim.Optimizer:
@@ -266,7 +317,8 @@ def create_optimizer(
     ]
     lr: Any = c.lr  # None only for adafactor (validated by OptimizerConfig)
     if c.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=c.betas or (0.9, 0.999), eps=_or(c.eps, 1e-8))
+        kernel = adamw_kernel(c.implementation, device_type)
+        return torch.optim.AdamW(groups, lr=lr, betas=c.betas or (0.9, 0.999), eps=_or(c.eps, 1e-8), **kernel)
     if c.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=_or(c.momentum, 0.0))
     if c.name == "adafactor":

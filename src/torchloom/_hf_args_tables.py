@@ -21,11 +21,12 @@ __all__ = [
 
 #: TrainingArguments ``optim`` -> the ``optimizer`` plugin's ``name``, and a remark when the two differ.
 OPTIMIZERS: dict[str, tuple[str, str | None]] = {
-    "adamw_torch": ("adamw", None),
-    "adamw_torch_fused": (
+    "adamw_torch": (
         "adamw",
-        "torch.optim.AdamW with its default (foreach) implementation instead of the fused kernel: the same update",
+        "torch.optim.AdamW with the fastest implementation the device has (fused where torch has the kernel, as "
+        "adamw_torch_fused) instead of torch's default choice: the same update within rounding",
     ),
+    "adamw_torch_fused": ("adamw", None),  # the plugin's default implementation: fused where the device has it
     "adamw_hf": ("adamw", "torch.optim.AdamW, the update of transformers' removed AdamW (correct_bias=True)"),
     "adamw_apex_fused": ("adamw", "torch.optim.AdamW instead of apex's FusedAdam: the same update"),
     "adamw_torch_xla": ("adamw", "torch.optim.AdamW instead of torch_xla's syncfree AdamW"),
