@@ -245,6 +245,8 @@ class Checkpoint(torchloom.Plugin):
         path = torchloom.save_checkpoint()
         if self._monitor is not None:
             self._monitor.use(step)  # whether this checkpoint's score was logged at its own step
+        if path in self.saved:  # an epoch cut short at a step just saved: the same checkpoint, kept once
+            self.saved.remove(path)
         self.saved.append(path)
         if self._value is not None and not math.isnan(self._value):
             self.scores[path] = self._value

@@ -42,6 +42,7 @@ _EXPORTS = {
     "convert_hf_args": "torchloom._hf_args",
     "delete_checkpoint": "torchloom.checkpoint",
     "enable_plugins": "torchloom.plugins",
+    "estimate_flops": "torchloom._flops",
     "estimate_memory": "torchloom._memory_plan",
     "estimate_optimizer_memory": "torchloom.memory",
     "format_bytes": "torchloom._bytes",
@@ -90,6 +91,7 @@ __all__ = [
     "convert_hf_args",
     "delete_checkpoint",
     "enable_plugins",
+    "estimate_flops",
     "estimate_memory",
     "estimate_optimizer_memory",
     "format_bytes",
@@ -128,6 +130,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._atomic import write_atomically
     from torchloom._bytes import format_bytes
     from torchloom._context import rank_agreement, request_stop, save_checkpoint
+    from torchloom._flops import estimate_flops
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path
     from torchloom._layout import MODEL_DIR, SUMMARY_FILE

@@ -116,7 +116,9 @@ def save_checkpoint(directory: str | os.PathLike[str] | None = None) -> str:
     Args:
         directory (`str` or `os.PathLike`, *optional*): where to write; must not exist. Defaults to
             ``<run_dir>/checkpoints/step-<global_step, 8 digits>`` (``...-epoch-end`` from
-            ``on_train_epoch_end``).
+            ``on_train_epoch_end`` of an epoch that ran to its end). At the end of an epoch cut short (``max_steps``,
+            a stop request) whose last step's checkpoint was just saved, that checkpoint is the fit's state
+            (nothing was trained since): its path is returned and nothing is written.
 
     Returns:
         `str`: the path of the complete checkpoint.

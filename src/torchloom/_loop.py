@@ -75,6 +75,7 @@ class FitLoop:
         self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement)
         # (epoch, batches done in it, epoch finished) while a checkpoint may be saved, else None
         self._save_point: tuple[int, int, bool] | None = None
+        self._last_saved: tuple[int, str] | None = None  # (global_step, path) of this fit's latest checkpoint
         self._relay_has = {name: run.relay.implemented(name) for name in ("on_train_batch_start", "on_train_batch_end")}
         #: A failure of ``on_fit_end`` itself, after a fit that succeeded (the engine raises it after ``teardown``).
         self.cleanup_failure: BaseException | None = None
@@ -316,6 +317,11 @@ class FitLoop:
         run, state = self.run, self.state
         epoch, batches_done, finished = self._save_point
         if directory is None:
+            last = self._last_saved
+            if not finished and last is not None and last[0] == state.global_step and os.path.isdir(last[1]):
+                # An epoch cut short (max_steps, a stop) ends where its last step's checkpoint was saved: the
+                # same position and weights, and the same name; nothing was trained since, so that one is it.
+                return last[1]
             name = f"step-{state.global_step:08d}" + ("-epoch-end" if finished else "")
             directory = os.path.join(run.run_dir, CHECKPOINTS_DIR, name)
         order = data_order(run.train_dataloader, run.accelerator.num_processes)
@@ -325,7 +331,7 @@ class FitLoop:
             if finished
             else dict(state.epoch_generators)
         )
-        return write_checkpoint(
+        path = write_checkpoint(
             directory,
             accelerator=run.accelerator,
             model=run.model,
@@ -342,6 +348,8 @@ class FitLoop:
                 "log_buffer": self.logs.train.state_dict(),
             },
         )
+        self._last_saved = (state.global_step, path)
+        return path
 
     def _training(self) -> dict[str, Any]:
         """The whole training up to now, as a checkpoint's manifest records it (`training_record`)."""

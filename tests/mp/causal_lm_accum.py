@@ -9,7 +9,7 @@ DDP: with ``normalization="tokens"`` they are equal, whatever the micro-batches'
 Arguments: the output directory (holding ``tokenizer/``, made by the test), ``packed`` or ``padded``, the
 per-process batch size, and the normalisation (``tokens`` or ``mean``). Writes ``result-<rank>.json``: the largest
 difference from the big-batch gradient, the optimizer steps, each micro-batch's loss-token count on this rank, and
-the rows the rank trained on.
+the rows the rank trained on, and the throughput plugin's totals.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> None:
     steps = math.ceil(rows / (batch_size * world_size))  # every micro-batch of the epoch in one window
     grads, task = Grads(), LMTask(tokenizer)
     engine = torchloom.Engine(
-        plugins=[{"grad_accum": {"steps": steps, "normalization": normalization}}, grads],
+        plugins=[{"grad_accum": {"steps": steps, "normalization": normalization}}, {"throughput": {}}, grads],
         max_epochs=1, output_dir=str(out / "run"), default_plugins=False,
     )  # fmt: skip
     engine.fit(task, datamodule=datamodule)
@@ -111,6 +111,7 @@ def main() -> None:
         "items": task.items,
         "rows": task.rows,
         "train_rows": len(datamodule.train_dataset),
+        "throughput": engine.plugins[1].totals,
     }
     (out / f"result-{rank}.json").write_text(json.dumps(result))
 

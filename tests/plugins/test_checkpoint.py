@@ -137,6 +137,38 @@ def test_resume_from_a_run_directory_takes_the_epoch_end_checkpoint_of_a_shared_
     assert list_checkpoints(engine.run_dir) == [str(checkpoints / n) for n in _names(engine.run_dir)]
 
 
+@pytest.mark.parametrize("stop", ["max_steps", "request_stop"])
+def test_an_epoch_cut_short_at_a_saved_step_keeps_that_checkpoint_once_and_resumes_from_it(tmp_path, stop):
+    """max_steps 4 (or a stop request at step 4) inside an 8-step epoch, saving every 2 steps: the epoch's end is
+    the position of step 4's checkpoint; it was saved once (it was a CheckpointError: "already exists"), counted
+    once by keep_last, and the resume from it ends where an uninterrupted fit ends."""
+
+    class StopAt4:
+        name = "test.stop_at_4"
+
+        @torchloom.hookimpl
+        def on_train_step_end(self, progress) -> None:
+            if progress.global_step == 4:
+                torchloom.request_stop("enough")
+
+    plugins: list = [{"checkpoint": {"every_n_steps": 2, "keep_last": 2}}]
+    settings = {"max_steps": 4} if stop == "max_steps" else {"log_every_n_steps": 2}  # a stop is checked at a log
+    if stop == "request_stop":
+        plugins.append(StopAt4())
+    engine = torchloom.Engine(output_dir=str(tmp_path / "cut"), max_epochs=1, plugins=plugins, **settings)
+    engine.fit(TinyTask())
+    assert engine.progress.global_step == 4
+    assert _names(engine.run_dir) == ["step-00000002", "step-00000004"]
+    assert engine.plugins[0].saved == [str(Path(engine.run_dir) / "checkpoints" / n) for n in _names(engine.run_dir)]
+    resumed = torchloom.Engine(output_dir=str(tmp_path / "cut"), max_epochs=1, plugins={"checkpoint": {}})
+    resumed.fit(task := TinyTask(), ckpt_path=engine.run_dir)
+    whole = torchloom.Engine(output_dir=str(tmp_path / "whole"), max_epochs=1, plugins={"checkpoint": {}})
+    whole.fit(reference := TinyTask())
+    assert resumed.progress.global_step == whole.progress.global_step == 8
+    for a, b in zip(task.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_resume_from_an_output_dir_takes_the_latest_run_by_number(tmp_path):
     """version_10 is later than version_2 (by number, not by name), and a run without checkpoints is skipped."""
     for version, steps in ((2, 3), (10, 1), (11, None)):
