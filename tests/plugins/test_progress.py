@@ -236,6 +236,31 @@ def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys) -> None:
     assert out.index("fit summary") > out.index(lines[-1])
 
 
+@pytest.mark.parametrize(
+    ("settings", "validated_at"),
+    [
+        ({"max_epochs": 2, "log_every_n_steps": 2}, [3, 6]),  # at each epoch's end: step 3 is not a logging step
+        ({"max_epochs": 1, "max_steps": 3, "val_check_interval": 3, "log_every_n_steps": 2}, [3]),  # the last step
+    ],
+)
+def test_the_training_line_of_a_step_comes_before_its_validation_line(tmp_path, capsys, settings, validated_at) -> None:
+    """A validation at a step that is not a logging step: the training values of the steps since the last logging
+    interval are printed first (a line for step N, then the validation at step N), with their own values."""
+    engine, _ = fit(tmp_path, None, task=TinyTask(n=10), **settings)  # 3 optimizer steps per epoch
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("epoch ", "validation "))]
+    steps = [int(re.search(r"  step (\d+)/", line).group(1)) for line in lines]
+    validations = [i for i, line in enumerate(lines) if line.startswith("validation ")]
+    assert [steps[i] for i in validations] == validated_at
+    for i in validations:  # the line just before: the training line of the same step, with that step's loss
+        assert i > 0 and lines[i - 1].startswith("epoch ") and steps[i - 1] == steps[i], lines
+        (loss,) = [loss for step, loss in history(engine, "train/loss") if step == steps[i]]
+        assert f"  loss {loss:.4g}  " in lines[i - 1]
+    assert steps == sorted(steps)  # no training line after a validation of a later or the same step
+    records = [(r["step"], "val/loss" in r) for r in engine.history]
+    assert records == sorted(records)  # metrics.jsonl / history in the same order: training, then validation
+
+
 def test_plain_every_n_seconds_holds_lines_back_until_the_next_validation(tmp_path, capsys) -> None:
     engine, _ = fit(tmp_path, {"plain_every_n_seconds": 3600})
     steps = [int(m) for m in re.findall(r"^epoch \d/2  step (\d+)/9  loss", capsys.readouterr().out, re.MULTILINE)]
