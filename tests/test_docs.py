@@ -654,7 +654,8 @@ def _commands(page: Path) -> list[tuple[int, str, str, list[str]]]:
 
 def _mask(text: str) -> str:
     """Timings, which differ from run to run, replaced by a placeholder."""
-    for pattern in (r"[\d.]+ steps/s", r"\([\d.]+ samples/s\)", r"wall time [\d.]+ s", r"ETA [\d:]+"):
+    timings = (r"[\d.]+ steps/s", r"[\d.]+ samples/s", r"training time [\d.]+ s", r"wall time [\d.]+ s", r"ETA [\d:]+")
+    for pattern in timings:
         text = re.sub(pattern, "<timing>", text)
     return text
 

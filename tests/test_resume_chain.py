@@ -178,7 +178,9 @@ def test_a_checkpoint_outside_a_run_directory_carries_its_totals_but_no_records(
 
     b = fit(ShuffleTask, tmp_path / "b", save_at=[7])
     moved = shutil.copytree(b.checkpoint, tmp_path / "moved")
-    with pytest.warns(UserWarning, match="none of the 3 records"):
+    # Up to step 7 (logging every 3 steps, validating every 4): train@3, train@4 (before its validation), val@4,
+    # train@6.
+    with pytest.warns(UserWarning, match="none of the 4 records"):
         c = fit(ShuffleTask, tmp_path / "c", ckpt_path=str(moved))
     assert all(CARRIED_OVER not in r for r in _records(c.engine.run_dir))
     assert _summary(c)["samples"] == 30 and _summary(c)["this_run"]["samples"] == 16

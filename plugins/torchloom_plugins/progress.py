@@ -6,8 +6,11 @@ Method card
   ``metrics.jsonl``), the optimizer step out of the total (``40/100``), the latest
   training loss, steps per second, elapsed time and ETA; a line with the values of each validation pass; at the
   end of a completed ``fit`` (and of a ``validate``) a table of every logged name with its last and its best
-  value, then the optimizer steps, epochs, samples, samples per second, wall time, the run directory and where
-  the model is. The same summary is written to ``<run_dir>/summary.json``. A resumed fit's summary counts the
+  value, then the optimizer steps, epochs and samples; the training time (from the first epoch's start to the
+  end of training, validation passes excluded) with the samples and steps per second measured over it (the HF
+  Trainer's ``train_runtime`` and ``train_samples_per_second = samples / train_runtime``); the wall time of the
+  whole call (set-up, validation and saving included) on a line of its own; the run directory and where the
+  model is. The same summary is written to ``<run_dir>/summary.json``. A resumed fit's summary counts the
   whole training: the values, samples and times of the runs it continues up to its checkpoint (``on_fit_start``'s
   ``resumed``) and its own; ``this_run`` holds its own part.
 - **Where it prints:** stdout, through one `rich.console.Console` made when the plugin is made. When rich says
@@ -586,30 +589,51 @@ def _rate(value: float) -> str:
 
 
 def _info_lines(summary: dict[str, Any]) -> list[str]:
+    """The lines under the table. Each rate is printed beside the time it is measured over (the HF Trainer's
+    ``train_samples_per_second = samples / train_runtime``, printed with ``train_runtime``): samples and steps per
+    second of training time, validation excluded; the wall time on its own line, labelled with what it includes."""
     fit = summary["stage"] == "fit"
-    parts = [f"{summary['optimizer_steps']} optimizer steps"] if fit else []
-    if fit:
-        parts.append(f"{summary['epochs']} epoch{'s' if summary['epochs'] != 1 else ''}")
-        parts += _samples_part(summary)
-    parts.append(f"wall time {summary['wall_time_s']:.1f} s")
-    lines = [", ".join(parts)]
-    if fit and summary["resumed_from"] is not None:  # the line above counts the whole training
-        lines[0] = f"whole training ({summary['runs']} runs): {lines[0]}"
-        own = summary["this_run"]
-        part = [f"{own['optimizer_steps']} optimizer steps", *_samples_part(own)]
-        part.append(f"wall time {own['wall_time_s']:.1f} s")
-        lines.append(f"this run: {', '.join(part)}; resumed from {summary['resumed_from']}")
+    if not fit:
+        return [
+            f"wall time {_seconds(summary['wall_time_s'])} s (the whole validate call, set-up included)",
+            f"run directory: {summary['run_dir']}",
+        ]
+    epochs = f"{summary['epochs']} epoch{'s' if summary['epochs'] != 1 else ''}"
+    resumed = summary["resumed_from"] is not None
+    if not resumed:
+        lines = _counts_lines(summary, epochs, "", "the whole fit call")
+    else:  # the whole training, then this run's own part
+        lines = _counts_lines(summary, epochs, f"whole training ({summary['runs']} runs): ", "the fit calls")
+        lines += _counts_lines(summary["this_run"], None, "this run: ", "this fit call")
+        lines.append(f"resumed from {summary['resumed_from']}")
     lines.append(f"run directory: {summary['run_dir']}")
-    if fit:
-        lines.append(f"model: {summary['model_dir'] or 'not saved (engine setting save_model: false)'}")
+    lines.append(f"model: {summary['model_dir'] or 'not saved (engine setting save_model: false)'}")
     return lines
 
 
-def _samples_part(counts: dict[str, Any]) -> list[str]:
-    if counts["samples"] is None:
-        return []
-    rate = counts["samples_per_s"]
-    return [f"{counts['samples']} samples" + (f" ({_rate(rate)} samples/s)" if rate else "")]
+def _counts_lines(counts: dict[str, Any], epochs: str | None, prefix: str, wall: str) -> list[str]:
+    """What was trained; the training time with the rates measured over it; the wall time."""
+    what = [f"{counts['optimizer_steps']} optimizer steps", *([epochs] if epochs else [])]
+    if counts["samples"] is not None:
+        what.append(f"{counts['samples']} samples")
+    rates = [
+        f"{_rate(counts[key])} {unit}/s"
+        for key, unit in (("samples_per_s", "samples"), ("steps_per_s", "steps"))
+        if counts[key] is not None
+    ]
+    training = f"training time {_seconds(counts['train_time_s'])} s (validation excluded)"
+    indent = "  " if prefix else ""
+    return [
+        prefix + ", ".join(what),
+        indent + training + (f": {', '.join(rates)}" if rates else ""),
+        indent + f"wall time {_seconds(counts['wall_time_s'])} s ({wall}: set-up, validation and saving included)",
+    ]
+
+
+def _seconds(value: float) -> str:
+    """A duration: 3 significant digits under 10 s (``0.183``), tenths above (``103.2``), so that a rate printed
+    beside it can be checked against it."""
+    return f"{value:.3g}" if value < 10 else f"{value:.1f}"
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

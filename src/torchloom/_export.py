@@ -116,17 +116,31 @@ def is_exported_model(path: Path) -> bool:
     return (path / "model.safetensors").is_file() or (path / WEIGHTS_INDEX).is_file()
 
 
-#: What ``predict``'s ``ckpt_path`` may name, for its messages.
+#: What ``validate``'s and ``predict``'s ``ckpt_path`` may name, for their messages.
 PREDICT_WEIGHTS = (
     "a checkpoint (a directory with manifest.json), an exported model (a directory with model.safetensors or "
     "model.safetensors.index.json, or one .safetensors file), a run directory (version_N, with model/ or "
-    "checkpoints/) or an output_dir whose runs have a checkpoint"
+    "checkpoints/), an output_dir whose runs have a checkpoint, or 'last' / 'best' (the latest / the best-scoring "
+    "checkpoint of the engine's output_dir)"
 )
+#: The names ``ckpt_path`` may give instead of a path, as Lightning's ``trainer.validate(ckpt_path="best")``.
+NAMED_CHECKPOINTS = ("last", "best")
 
 
-def resolve_weights(path: str | os.PathLike[str]) -> tuple[str, str]:
-    """Resolve ``predict``'s ``ckpt_path`` to ``("checkpoint" | "model", path)``.
+def resolve_weights(
+    path: str | os.PathLike[str],
+    command: str = "predict",
+    *,
+    output_dir: str | os.PathLike[str] | None = None,
+    monitor: str | None = None,
+    mode: str = "min",
+) -> tuple[str, str]:
+    """Resolve ``validate``'s or ``predict``'s ``ckpt_path`` to ``("checkpoint" | "model", path)``.
 
+    - ``"last"``: the latest complete checkpoint of ``output_dir``'s runs (`list_checkpoints`' order: by run, then
+      by step); ``"best"``: the one whose manifest recorded the best value of ``monitor`` (the ``checkpoint``
+      plugin's), lowest or highest by ``mode``, an earlier one on a tie, NaN never (`torchloom.Monitor.is_better`);
+      a directory of that name is ``./last``;
     - a checkpoint directory (with ``manifest.json``): itself, its files checked against the manifest;
     - an exported model (``model.safetensors`` or ``model.safetensors.index.json``), or a ``.safetensors`` file:
       itself, the header of each weight file checked (`header_entries`);
@@ -135,19 +149,24 @@ def resolve_weights(path: str | os.PathLike[str]) -> tuple[str, str]:
 
     Raises:
         ConfigError: ``path`` does not exist; an exported model whose weight files are not safetensors, damaged
-            or truncated.
+            or truncated; ``"best"`` without a ``monitor``.
         CheckpointError: no weights there; an incomplete checkpoint or one whose files changed since it was saved.
-        Each message begins with ``predict: ckpt_path`` and says what the path may name (`PREDICT_WEIGHTS`).
+        Each message begins with ``<command>: ckpt_path`` and the path, and says what it may name
+        (`PREDICT_WEIGHTS`).
     """
+    if isinstance(path, str) and path in NAMED_CHECKPOINTS:
+        checkpoint = _named_checkpoint(path, command, output_dir, monitor, mode)
+        return "checkpoint", _verified(checkpoint, command, path)
     root, shown = Path(path), os.fspath(path)
+    where = f"{command}: ckpt_path {shown!r}"
     if not root.exists():
-        raise ConfigError(f"predict: ckpt_path {shown!r}: no such file or directory; expected {PREDICT_WEIGHTS}")
+        raise ConfigError(f"{where}: no such file or directory; expected {PREDICT_WEIGHTS}")
     for model in (root, root / MODEL_DIR) if is_run_dir(root) else (root,):
         if is_exported_model(model) and not (root / MANIFEST).is_file():
             try:
                 check_weight_files(model)
             except ConfigError as exc:
-                raise ConfigError(f"predict: ckpt_path {shown!r}: {exc}") from None
+                raise ConfigError(f"{where}: {exc}") from None
             return "model", str(model)
     if (root / MANIFEST).is_file():
         checkpoint = root
@@ -155,7 +174,7 @@ def resolve_weights(path: str | os.PathLike[str]) -> tuple[str, str]:
         found = list_checkpoints(root)
         if not found:
             raise CheckpointError(
-                f"predict: ckpt_path {shown!r}: the run directory holds neither a saved model (model/, written with "
+                f"{where}: the run directory holds neither a saved model (model/, written with "
                 "save_model: true) nor a complete checkpoint (checkpoints/, written by the 'checkpoint' plugin)"
             )
         checkpoint = Path(found[-1])
@@ -164,13 +183,66 @@ def resolve_weights(path: str | os.PathLike[str]) -> tuple[str, str]:
         if not found:
             kind = "a directory" if root.is_dir() else "a file"
             raise CheckpointError(
-                f"predict: ckpt_path {shown!r} is {kind} that holds no weights predict reads; expected "
-                f"{PREDICT_WEIGHTS}"
+                f"{where} is {kind} that holds no weights {command} reads; expected {PREDICT_WEIGHTS}"
             )
         checkpoint = Path(found[-1])
-    manifest = read_manifest(checkpoint)
-    verify_files(checkpoint, manifest)  # nothing planted or changed since the checkpoint was written
-    return "checkpoint", str(checkpoint)
+    return "checkpoint", _verified(checkpoint, command, shown)
+
+
+def _verified(checkpoint: str | os.PathLike[str], command: str, shown: str) -> str:
+    """``checkpoint``, once its manifest reads and its files are the ones it lists, unchanged.
+
+    Raises:
+        CheckpointError: they are not; the message names ``ckpt_path`` (``shown``) and what a loadable checkpoint is.
+    """
+    try:
+        verify_files(checkpoint, read_manifest(checkpoint))  # nothing planted or changed since it was written
+    except CheckpointError as exc:
+        named = "" if os.fspath(checkpoint) == shown else f" ({os.fspath(checkpoint)})"
+        raise CheckpointError(
+            f"{command}: ckpt_path {shown!r}{named}: {exc}; expected a complete checkpoint whose files are those its "
+            "manifest.json lists, as the 'checkpoint' plugin wrote them"
+        ) from None
+    return str(checkpoint)
+
+
+def _named_checkpoint(
+    name: str, command: str, output_dir: str | os.PathLike[str] | None, monitor: str | None, mode: str
+) -> str:
+    """The checkpoint ``"last"`` or ``"best"`` names among the runs of ``output_dir``."""
+    from torchloom._layout import run_directories
+    from torchloom.checkpoint import _run_checkpoints
+    from torchloom.monitor import Monitor
+
+    where = f"{command}: ckpt_path {name!r}"
+    if output_dir is None:
+        raise ConfigError(f"{where} names a checkpoint of the engine's output_dir, and none is known here")
+    if name == "best" and monitor is None:
+        raise ConfigError(
+            f"{where} is the checkpoint with the best value of the 'checkpoint' plugin's monitor, and it has none "
+            "(plugins: {checkpoint: {monitor: val/loss}}); name 'last' or a path: expected " + PREDICT_WEIGHTS
+        )
+    root = Path(output_dir)
+    found = [entry for run in run_directories(root) for entry in _run_checkpoints(run)] if root.is_dir() else []
+    if not found:
+        raise CheckpointError(
+            f"{where}: the output_dir {os.fspath(output_dir)!r} holds no complete checkpoint (the 'checkpoint' plugin "
+            f"writes <run_dir>/checkpoints/); expected {PREDICT_WEIGHTS}"
+        )
+    if name == "last":
+        return str(found[-1][0])
+    best: tuple[float, Path] | None = None
+    for candidate, manifest in found:
+        value = (manifest.get("metrics") or {}).get(monitor)  # NaN is never better; a tie keeps the earlier one
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and Monitor.is_better(float(value), None if best is None else best[0], mode):
+            best = (float(value), candidate)
+    if best is None:
+        raise CheckpointError(
+            f"{where}: no checkpoint of the output_dir {os.fspath(output_dir)!r} recorded a value of {monitor!r} (the "
+            f"'checkpoint' plugin's monitor); name 'last' or a path: expected {PREDICT_WEIGHTS}"
+        )
+    return str(best[1])
 
 
 def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:

@@ -289,9 +289,15 @@ class FitLoop:
         )
 
     def validate(self) -> dict[str, float]:
-        """A validation pass at this point of the fit (none without validation data); return its values."""
+        """A validation pass at this point of the fit (none without validation data); return its values.
+
+        The training values of the optimizer steps since the last logging interval are logged first, so that every
+        ``on_log`` of training values up to this step comes before the validation's (the HF Trainer logs, then
+        evaluates, at a step that does both): a progress line for step N, then the validation at step N."""
         if self.run.val_dataloader is None:
             return {}
+        if self.state.checked_step != self.state.global_step:  # host counters: the same decision on every rank
+            self.log_training()
         self.state.validated_at = self.state.global_step
         progress = self.state.progress()
         began = time.perf_counter()

@@ -70,8 +70,8 @@ class Engine:
             the same list on every rank.
         logged_metrics (`dict[str, float]`): the latest value of every logged name.
         resumed_from (`str` or ``None``): the checkpoint the last fit resumed from (``ckpt_path``).
-        weights_from (`tuple[str, str]` or ``None``): the weights the last ``predict(..., ckpt_path=...)`` loaded,
-            ``(kind, path)`` with kind ``"checkpoint"`` or ``"model"``.
+        weights_from (`tuple[str, str]` or ``None``): the weights the last ``validate(..., ckpt_path=...)`` or
+            ``predict(..., ckpt_path=...)`` loaded, ``(kind, path)`` with kind ``"checkpoint"`` or ``"model"``.
     """
 
     def __init__(
@@ -176,20 +176,41 @@ class Engine:
 
     @quiet_libraries()
     def validate(
-        self, task: TaskModule, dataloader: Any = None, datamodule: DataModule | None = None
+        self,
+        task: TaskModule,
+        dataloader: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: str | os.PathLike[str] | None = None,
     ) -> dict[str, float]:
         """Run one validation pass and return the values logged during it (reduced over ranks).
 
         Reuses the model of the last ``fit`` of the same task; otherwise builds and prepares it.
 
+        Args:
+            task (`TaskModule`): what to validate.
+            dataloader (`torch.utils.data.DataLoader`, *optional*): else the datamodule's or task's
+                ``val_dataloader``.
+            datamodule (`DataModule`, *optional*): prepared once per machine, then set up on every process.
+            ckpt_path (`str` or `os.PathLike`, *optional*): load these weights into the model first (after
+                ``setup`` and before ``on_validation_start``), as Lightning's ``trainer.validate(ckpt_path=...)``:
+                what ``predict``'s ``ckpt_path`` may name (a checkpoint, an exported model, a run directory, an
+                ``output_dir``), or ``"last"`` / ``"best"``: the latest checkpoint of the engine's ``output_dir``,
+                or the one with the best value of the ``checkpoint`` plugin's ``monitor``. ``weights_from`` then
+                holds what was loaded.
+
         Raises:
-            ConfigError: no validation data, or a task without ``validation_step``.
+            ConfigError: no validation data, or a task without ``validation_step``; ``ckpt_path`` does not exist,
+                or is ``"best"`` without a ``checkpoint`` plugin ``monitor``.
+            CheckpointError: ``ckpt_path`` holds no weights (the message says what it may name), a checkpoint
+                whose files do not match its manifest, or weights that do not fit the model.
         """
         from torchloom._evaluation import validation_pass
 
+        weights = self._weights(ckpt_path, "validate")  # before a run directory exists
         run = self._starter.start(task, "validate", datamodule, val_dataloader=dataloader)
         self.logs.val.clear()  # only what this validation logs
         with self._starter.stage(run, "validate"), activate(RunContext(self.logs, run.agreement)):
+            self._load_weights(run, weights)
             progress = self._state.progress()
             validation_pass(task, run, self.logs, progress)
             return self.logs.report(self.logs.val, run, progress)[0]
@@ -219,30 +240,57 @@ class Engine:
                 ``setup`` and before ``on_predict_start``): a checkpoint directory (its model weights; its files
                 are checked against its manifest first), an exported model (what `TaskModule.save_model` or
                 ``save_pretrained`` writes, or a ``.safetensors`` file; loaded with `TaskModule.load_model`), a run
-                directory (its ``model/`` when the fit saved one, else its latest checkpoint), or an ``output_dir``
-                (its latest checkpoint). Only safetensors are read. ``weights_from`` then holds what was loaded.
+                directory (its ``model/`` when the fit saved one, else its latest checkpoint), an ``output_dir``
+                (its latest checkpoint), or ``"last"`` / ``"best"`` (the latest checkpoint of the engine's
+                ``output_dir``, or the one with the best value of the ``checkpoint`` plugin's ``monitor``). Only
+                safetensors are read. ``weights_from`` then holds what was loaded.
 
         Raises:
             ConfigError: no prediction data; ``ckpt_path`` does not exist, an exported model whose weight files are
-                not safetensors or are damaged (named before anything loads), or one that does not fit.
+                not safetensors or are damaged (named before anything loads), or one that does not fit; ``"best"``
+                without a ``checkpoint`` plugin ``monitor``.
             CheckpointError: ``ckpt_path`` holds no weights (the message says what it may name), a checkpoint
                 changed since it was written, or weights that do not fit the model (keys or shapes).
         """
-        from torchloom._export import load_weights, resolve_weights
-
-        weights = resolve_weights(ckpt_path) if ckpt_path is not None else None  # before a run directory exists
-        self.weights_from = weights
+        weights = self._weights(ckpt_path, "predict")  # before a run directory exists
         run = self._starter.start(task, "predict", datamodule, predict_dataloader=dataloader)
         with self._starter.stage(run, "predict"), activate(RunContext(self.logs, run.agreement)):
-            if weights is not None:
-                try:
-                    load_weights(run.accelerator.unwrap_model(run.model), *weights)
-                except BaseException:
-                    discard_run_dir(run.run_dir, run.accelerator)  # nothing predicted: a failed set-up leaves nothing
-                    raise
+            self._load_weights(run, weights)
             predictions = prediction_pass(task, run)
             write_predictions(run.run_dir, predictions, run.accelerator)
         return predictions
+
+    def _weights(self, ckpt_path: str | os.PathLike[str] | None, command: str) -> tuple[str, str] | None:
+        """What ``ckpt_path`` names (`torchloom._export.resolve_weights`; ``"best"`` by the ``checkpoint`` plugin's
+        ``monitor`` and ``mode``), kept in ``weights_from``."""
+        from torchloom._export import resolve_weights
+
+        weights = None
+        if ckpt_path is not None:
+            checkpoint = next((p for p in self.plugins if plugin_name(p) == "checkpoint"), None)
+            config = getattr(checkpoint, "config", None)
+            weights = resolve_weights(
+                ckpt_path,
+                command,
+                output_dir=self.config.output_dir,
+                monitor=getattr(config, "monitor", None),
+                mode=getattr(config, "mode", "min"),
+            )
+        self.weights_from = weights
+        return weights
+
+    @staticmethod
+    def _load_weights(run: Run, weights: tuple[str, str] | None) -> None:
+        """Load ``weights`` into the run's model; a failure leaves no run directory (nothing was run)."""
+        from torchloom._export import load_weights
+
+        if weights is None:
+            return
+        try:
+            load_weights(run.accelerator.unwrap_model(run.model), *weights)
+        except BaseException:
+            discard_run_dir(run.run_dir, run.accelerator)
+            raise
 
     # ------------------------------------------------------------------------------------------ inspection
 

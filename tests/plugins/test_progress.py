@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,9 +181,49 @@ def test_summary_has_the_last_and_best_value_of_every_metric_and_exact_counts(tm
         "direction": None,
     }
     assert table_row(out, "lr") == ["lr", "0.25", "-", ""]
-    assert "9 optimizer steps, 3 epochs, 30 samples (" in out
+    assert "9 optimizer steps, 3 epochs, 30 samples\n" in out
     assert f"run directory: {engine.run_dir}\n" in out
     assert "model: not saved (engine setting save_model: false)" in out
+
+
+def summary_times(out: str) -> tuple[float, float, float, float]:
+    """The printed training time, samples/s and steps/s beside it, and the wall time."""
+    training = re.search(
+        r"^ *training time ([\d.]+) s \(validation excluded\): ([\d.]+) samples/s, ([\d.]+) steps/s$", out, re.M
+    )
+    wall = re.search(
+        r"^ *wall time ([\d.]+) s \(the whole fit call: set-up, validation and saving included\)$", out, re.M
+    )
+    assert training and wall, out
+    return (*(float(v) for v in training.groups()), float(wall.group(1)))
+
+
+class SlowValidation:
+    """Makes every validation pass take 0.2 s: the wall time is then far from the training time."""
+
+    name = "test.slow_validation"
+
+    @torchloom.hookimpl
+    def on_validation_end(self) -> None:
+        time.sleep(0.2)
+
+
+def test_each_rate_is_printed_beside_the_time_it_is_measured_over(tmp_path, capsys) -> None:
+    """Fault: "1152 samples (6295 samples/s), wall time 1.0 s" put a rate over the training time beside the wall
+    time, which it does not divide. Now (the HF Trainer's train_runtime / train_samples_per_second) the rates sit
+    beside the training time they divide, and the wall time is on a line of its own that says what it includes."""
+    _, plugin = fit(tmp_path, None, SlowValidation())
+    out = capsys.readouterr().out
+    summary = plugin.summary
+    train_time, samples_per_s, steps_per_s, wall = summary_times(out)
+    assert train_time == pytest.approx(summary["train_time_s"], rel=5e-3)
+    assert wall == pytest.approx(summary["wall_time_s"], rel=5e-3)
+    assert wall > 0.6 > summary["train_time_s"] * 2  # 3 slow validations: the two times really differ
+    # What a reader can check: each printed rate is the printed count over the printed training time.
+    assert samples_per_s == pytest.approx(3 * SAMPLES_PER_EPOCH / train_time, rel=1e-2)
+    assert steps_per_s == pytest.approx(3 * STEPS_PER_EPOCH / train_time, rel=1e-2)
+    assert samples_per_s != pytest.approx(3 * SAMPLES_PER_EPOCH / wall, rel=0.5)  # not over the wall time
+    assert "samples/s), wall time" not in out
 
 
 class ConstantsAndSizes:
@@ -236,6 +277,31 @@ def test_plain_lines_when_stdout_is_not_a_terminal(tmp_path, capsys) -> None:
     assert out.index("fit summary") > out.index(lines[-1])
 
 
+@pytest.mark.parametrize(
+    ("settings", "validated_at"),
+    [
+        ({"max_epochs": 2, "log_every_n_steps": 2}, [3, 6]),  # at each epoch's end: step 3 is not a logging step
+        ({"max_epochs": 1, "max_steps": 3, "val_check_interval": 3, "log_every_n_steps": 2}, [3]),  # the last step
+    ],
+)
+def test_the_training_line_of_a_step_comes_before_its_validation_line(tmp_path, capsys, settings, validated_at) -> None:
+    """A validation at a step that is not a logging step: the training values of the steps since the last logging
+    interval are printed first (a line for step N, then the validation at step N), with their own values."""
+    engine, _ = fit(tmp_path, None, task=TinyTask(n=10), **settings)  # 3 optimizer steps per epoch
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("epoch ", "validation "))]
+    steps = [int(re.search(r"  step (\d+)/", line).group(1)) for line in lines]
+    validations = [i for i, line in enumerate(lines) if line.startswith("validation ")]
+    assert [steps[i] for i in validations] == validated_at
+    for i in validations:  # the line just before: the training line of the same step, with that step's loss
+        assert i > 0 and lines[i - 1].startswith("epoch ") and steps[i - 1] == steps[i], lines
+        (loss,) = [loss for step, loss in history(engine, "train/loss") if step == steps[i]]
+        assert f"  loss {loss:.4g}  " in lines[i - 1]
+    assert steps == sorted(steps)  # no training line after a validation of a later or the same step
+    records = [(r["step"], "val/loss" in r) for r in engine.history]
+    assert records == sorted(records)  # metrics.jsonl / history in the same order: training, then validation
+
+
 def test_plain_every_n_seconds_holds_lines_back_until_the_next_validation(tmp_path, capsys) -> None:
     engine, _ = fit(tmp_path, {"plain_every_n_seconds": 3600})
     steps = [int(m) for m in re.findall(r"^epoch \d/2  step (\d+)/9  loss", capsys.readouterr().out, re.MULTILINE)]
@@ -251,7 +317,7 @@ def test_a_validation_that_logs_nothing_does_not_turn_training_lines_into_valida
 
     _, plugin = fit(tmp_path, None, task=Silent(n=10))
     out = capsys.readouterr().out
-    assert "validation " not in out
+    assert not re.search(r"^validation ", out, re.MULTILINE)  # no validation line (the summary says "validation")
     assert len(re.findall(r"^epoch \d/2  step \d/9  loss ", out, re.MULTILINE)) == 9
     assert set(plugin.summary["metrics"]) == {"train/loss"}
 

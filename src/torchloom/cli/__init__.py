@@ -6,7 +6,8 @@ Configs are parsed with jsonargparse (as LightningCLI does)::
     torchloom fit --config examples/fine_foods.yaml --engine.max_epochs=2 --data.init_args.batch_size=32
     torchloom fit --config examples/fine_foods.yaml --print_config       # the resolved config, then exit
     torchloom plugins [--json] [--config FILE]                           # installed plugins [and call order]
-    torchloom predict --config run.yaml --ckpt_path PATH                 # with a checkpoint's or export's weights
+    torchloom validate --config run.yaml --ckpt_path PATH|last|best      # with a checkpoint's or export's weights
+    torchloom predict --config run.yaml --ckpt_path PATH                 # the same --ckpt_path
     torchloom inspect PATH [--json]                                      # a checkpoint, run directory or export
     torchloom convert-hf-args args.json [-o run.yaml]                    # HF TrainingArguments -> engine + plugins
     torchloom estimate-memory MODEL [--budget 8GiB] [--optimizer adamw,adafactor] [--json]  # training memory

@@ -11,7 +11,7 @@ import yaml
 import torchloom
 from torchloom import ConfigError, EngineConfig, TorchloomError
 
-__all__ = ["add_run_arguments", "prepare", "report"]
+__all__ = ["CKPT_PATH_HELP", "add_ckpt_path", "add_run_arguments", "prepare", "report", "weights_lines"]
 
 
 def add_run_arguments(sub: Any) -> None:
@@ -32,6 +32,30 @@ def add_run_arguments(sub: Any) -> None:
         help="Plugins to enable, in order: {name: {settings}} or a list of names. "
         "--plugins.NAME.SETTING=VALUE changes one setting (and enables NAME if it is not enabled yet).",
     )
+
+
+#: ``--ckpt_path``'s help, ``validate``'s and ``predict``'s alike (``{command}``: the command's verb).
+CKPT_PATH_HELP = (
+    "Load these weights before {command}: a checkpoint (a directory with manifest.json; its files are checked "
+    "against it first), an exported model (model/, or a .safetensors file), a run directory (its model/, else its "
+    "latest checkpoint), an output_dir (its latest checkpoint), or 'last' / 'best': the latest checkpoint of the "
+    "engine's output_dir, or the one with the best value of the 'checkpoint' plugin's monitor (as Lightning's "
+    "ckpt_path='last' / 'best'; a directory named so is ./last). A path that holds none of these, or a checkpoint "
+    "whose files do not match its manifest, is an error that names the path and what it may be."
+)
+
+
+def add_ckpt_path(sub: Any, command: str) -> None:
+    """``--ckpt_path``: the weights ``validate`` or ``predict`` loads first (`torchloom.Engine.validate`)."""
+    sub.add_argument("--ckpt_path", type=str | None, default=None, help=CKPT_PATH_HELP.format(command=command))
+
+
+def weights_lines(engine: Any, command: str) -> list[str]:
+    """``torchloom COMMAND: weights of checkpoint PATH`` (or ``saved model``) when ``--ckpt_path`` loaded some."""
+    if engine.weights_from is None:
+        return []
+    kind, path = engine.weights_from
+    return [f"torchloom {command}: weights of {'checkpoint' if kind == 'checkpoint' else 'saved model'} {path}"]
 
 
 def prepare(parser: Any, cfg: Any, command: str) -> tuple[Any, Any, Any]:
