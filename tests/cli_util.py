@@ -195,17 +195,18 @@ def _capture_logging(out: io.StringIO, err: io.StringIO) -> Any:
             if type(handler) is logging.StreamHandler and handler not in streams:
                 streams[handler] = handler.stream
                 to_stdout = handler.stream in (sys.stdout, sys.__stdout__)
-                handler.setStream(out if to_stdout else err)
+                _set_stream(handler, out if to_stdout else err)
     disable = logging.root.manager.disable
 
     def restore() -> None:
         for handler, stream in streams.items():
-            handler.setStream(stream)
+            # A stream closed meanwhile (a library that first logged under an earlier test's capture): stderr.
+            _set_stream(handler, sys.stderr if getattr(stream, "closed", False) else stream)
         # A library first imported by the command bound its handler to ``err``: give it this process's stderr.
         for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
             for handler in getattr(lg, "handlers", ()):
                 if isinstance(handler, logging.StreamHandler) and handler.stream in (out, err):
-                    handler.setStream(sys.stdout if handler.stream is out else sys.stderr)
+                    _set_stream(handler, sys.stdout if handler.stream is out else sys.stderr)
         for lg, (level, disabled, propagate, handlers) in levels.items():
             lg.setLevel(level)
             lg.disabled, lg.propagate = disabled, propagate
@@ -213,3 +214,13 @@ def _capture_logging(out: io.StringIO, err: io.StringIO) -> Any:
         logging.disable(disable)
 
     return restore
+
+
+def _set_stream(handler: logging.StreamHandler[Any], stream: Any) -> None:
+    """``handler.setStream(stream)``, which flushes the old stream first, unless that stream is closed: a handler a
+    library made while an earlier test captured stderr keeps pytest's capture file, closed since (flushing it
+    raised ``ValueError: I/O operation on closed file`` in the next in-process CLI test)."""
+    if getattr(handler.stream, "closed", False):
+        handler.stream = stream
+    else:
+        handler.setStream(stream)
