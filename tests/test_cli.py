@@ -107,7 +107,7 @@ def test_resume_is_an_option_of_fit_only(project: Path) -> None:
 
 
 def test_plugins_lists_installed_builtins(tmp_path: Path) -> None:
-    proc = run_cli("plugins", "--json", cwd=tmp_path)
+    proc = run_cli("plugins", "--json", "--check", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = {row["name"]: row for row in json.loads(proc.stdout) if row["distribution"] == "torchloom"}
     assert set(rows) >= {"grad_accum", "grad_checkpoint", "grad_clip", "local_sgd", "mixed_precision", "optimizer"}
@@ -116,6 +116,23 @@ def test_plugins_lists_installed_builtins(tmp_path: Path) -> None:
         assert row["version"] and row["summary"] and row["hooks"], row
     table = run_cli("plugins", cwd=tmp_path).stdout
     assert "grad_accum  (torchloom" in table and "hooks:" in table
+
+
+def test_plugins_reads_every_summary_and_hook_list_from_source_as_the_import_gives_them(tmp_path: Path) -> None:
+    """Without --check nothing is imported; what the source gives equals pluggy's reading of the imported class, for
+    every installed plugin that imports (built-ins, the example distribution, the test fixtures)."""
+    imported = {(r["name"], r["distribution"]): r for r in json.loads(run_cli("plugins", "--json", "--check",
+                                                                              cwd=tmp_path).stdout)}  # fmt: skip
+    read = {(r["name"], r["distribution"]): r for r in json.loads(run_cli("plugins", "--json", cwd=tmp_path).stdout)}
+    assert read.keys() == imported.keys() and len(read) >= 15
+    compared = 0
+    for key, row in imported.items():
+        if row["status"].startswith("failed to import"):
+            assert read[key]["status"] == "not imported"  # the source is read all the same
+            continue
+        assert (read[key]["summary"], read[key]["hooks"]) == (row["summary"], row["hooks"]), key
+        compared += 1
+    assert compared >= 14
 
 
 def test_plugins_shows_call_order_for_a_config(tmp_path: Path) -> None:

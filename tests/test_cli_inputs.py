@@ -559,3 +559,12 @@ def test_a_task_next_to_the_config_still_imports(tmp_path: Path) -> None:
     write_config(project, {"task": {"class_path": "mytask.MyTask"}})
     proc = run_cli("fit", "--config", str(project / "config.yaml"), "--print_config", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_plugins_imports_no_plugin_and_not_torch(tmp_path: Path) -> None:
+    proc = run_cli_process("plugins", cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert "torchloom.cli" in imported  # the import log is there
+    assert not {name for name in imported if name == "torch" or name.startswith("torchloom_plugins.")}
+    assert "grad_clip  (torchloom" in proc.stdout and "hooks: before_optimizer_step" in proc.stdout
