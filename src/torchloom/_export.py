@@ -155,8 +155,8 @@ def resolve_weights(
         (`PREDICT_WEIGHTS`).
     """
     if isinstance(path, str) and path in NAMED_CHECKPOINTS:
-        checkpoint = _named_checkpoint(path, command, output_dir, monitor, mode)
-        return "checkpoint", _verified(checkpoint, command, path)
+        named = _named_checkpoint(path, command, output_dir, monitor, mode)
+        return "checkpoint", _verified(named, command, path)
     root, shown = Path(path), os.fspath(path)
     where = f"{command}: ckpt_path {shown!r}"
     if not root.exists():
@@ -234,8 +234,9 @@ def _named_checkpoint(
     best: tuple[float, Path] | None = None
     for candidate, manifest in found:
         value = (manifest.get("metrics") or {}).get(monitor)  # NaN is never better; a tie keeps the earlier one
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if number and Monitor.is_better(float(value), None if best is None else best[0], mode):
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        if Monitor.is_better(float(value), None if best is None else best[0], mode):
             best = (float(value), candidate)
     if best is None:
         raise CheckpointError(

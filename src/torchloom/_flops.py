@@ -92,7 +92,7 @@ def estimate_flops(
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"estimate_flops: {name} = {value!r}; expected an integer >= 1")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    source = load_source(model, architecture, forward, mode)
+    source = load_source(model, architecture, forward, mode, caller="estimate_flops")
     if source.needs_seq_len and seq_len is None:
         seq_len = source.max_len
         if seq_len is None:

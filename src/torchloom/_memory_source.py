@@ -37,7 +37,15 @@ class Source:
     checkpoint_settings: dict[str, Any] | None = None
 
 
-def load_source(model: Any, architecture: str | None, forward: ForwardFn | None, mode: Any) -> Source:
+def load_source(
+    model: Any, architecture: str | None, forward: ForwardFn | None, mode: Any, caller: str = "estimate_memory"
+) -> Source:
+    """The model and how to run one micro-batch of it; ``caller`` names the public function in error messages.
+
+    Raises:
+        ConfigError: a path that does not exist, a model that cannot be built, or (without ``forward``) a model
+            whose inputs are unknown.
+    """
     checkpoint_settings = None
     if isinstance(model, str | os.PathLike):
         path = os.fspath(model)
@@ -49,9 +57,9 @@ def load_source(model: Any, architecture: str | None, forward: ForwardFn | None,
         if path.endswith((".yaml", ".yml")) and os.path.isfile(path):
             built, checkpoint_settings = _from_run_config(path, mode)
         else:
-            built = _build_hf(_read_hf_config(path), architecture, mode)
+            built = _build_hf(_read_hf_config(path), architecture, mode, caller)
     elif _is_hf_config(model):
-        built = _build_hf(model, architecture, mode)
+        built = _build_hf(model, architecture, mode, caller)
     elif isinstance(model, torch.nn.Module):
         built = model
     elif callable(model):
@@ -74,10 +82,10 @@ def load_source(model: Any, architecture: str | None, forward: ForwardFn | None,
     config = getattr(prototype, "config", None)
     if not _is_hf_model(prototype) or not _is_hf_config(config):
         raise ConfigError(
-            f"estimate_memory: {label} is not a transformers model, so its inputs are unknown; pass "
-            "forward=lambda model, batch_size, seq_len: <loss> (Python API: torchloom.estimate_memory)"
+            f"{caller}: {label} is not a transformers model, so its inputs are unknown; pass "
+            f"forward=lambda model, batch_size, seq_len: <loss> (Python API: torchloom.{caller})"
         )
-    return _hf_source(label, prototype, config, checkpoint_settings)
+    return _hf_source(label, prototype, config, checkpoint_settings, caller)
 
 
 def _is_hf_config(obj: Any) -> bool:
@@ -146,7 +154,7 @@ def _auto_class_names(model_type: Any) -> dict[str, str]:
     return {kind: name for kind, name in found.items() if isinstance(name, str)}
 
 
-def _build_hf(config: Any, architecture: str | None, mode: Any) -> torch.nn.Module:
+def _build_hf(config: Any, architecture: str | None, mode: Any, caller: str) -> torch.nn.Module:
     import transformers
 
     model_type = getattr(config, "model_type", None)
@@ -173,16 +181,16 @@ def _build_hf(config: Any, architecture: str | None, mode: Any) -> torch.nn.Modu
     try:
         return construct(lambda: cls(config), mode)
     except Exception as exc:
-        raise ConfigError(
-            f"estimate_memory: building {name} from its config failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise ConfigError(f"{caller}: building {name} from its config failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _hf_source(label: str, prototype: torch.nn.Module, config: Any, checkpoint: dict[str, Any] | None) -> Source:
+def _hf_source(
+    label: str, prototype: torch.nn.Module, config: Any, checkpoint: dict[str, Any] | None, caller: str
+) -> Source:
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1:
         raise ConfigError(
-            f"estimate_memory: {label} takes no input_ids (its config has no vocab_size); pass "
+            f"{caller}: {label} takes no input_ids (its config has no vocab_size); pass "
             "forward=lambda model, batch_size, seq_len: <loss>"
         )
     heads = _head_classes()
