@@ -19,8 +19,11 @@ Method card
 - **Composition:** the ``optimizer`` plugin builds its groups from trainable parameters only, so it sees the
   adapter alone; a task's own optimizer over ``self.model.parameters()`` holds the frozen base too but never
   steps it (no gradient: no state, no update). ``grad_clip`` clips the norm of the gradients that exist (the
-  adapter's). ``grad_checkpoint``: the frozen embeddings' output is made to require grad
-  (``enable_input_require_grads``) so that reentrant checkpointing still back-propagates into the adapter.
+  adapter's). ``grad_checkpoint`` works in both its modes, reentrant too: the frozen embeddings' output does
+  not require grad, and reentrant checkpointing back-propagates only into inputs that do; the grad_checkpoint
+  plugin (and transformers' own checkpointing) make the inputs require grad, and the plugin also calls
+  ``enable_input_require_grads`` on a transformers model, as peft's ``prepare_model_for_kbit_training`` does, for
+  checkpointing a task applies itself.
   ``mixed_precision``, ``grad_accum``, ``compile``, ``local_sgd`` and DDP see an ordinary model.
 - **Checkpoints and export (the core does this for any model with an adapter injected in place):** a checkpoint
   stores the trainable parameters only (the adapter, ``modules_to_save``) with the optimizer, scheduler, random
@@ -318,6 +321,11 @@ def quantize_linear_layers(
         if linear.bias is not None:
             layer.bias = torch.nn.Parameter(linear.bias.data.clone(), requires_grad=False)
         layer = layer.to(device)  # quantises the weight
+        if hasattr(layer, "support_avx512bf16_for_cpu"):
+            # bitsandbytes 0.50 repacks a 4-bit weight in place for its CPU inference kernel at the first forward in
+            # eval mode (a validation pass) and keeps it so: the training forwards after it run gemv_4bit, which has
+            # no autograd kernel ("silently incorrect" gradients), and the base's bytes change. Kept off.
+            layer.support_avx512bf16_for_cpu = False
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     setattr(model, f"is_loaded_in_{bits}bit", True)  # peft's dispatch picks its bitsandbytes LoRA layers
