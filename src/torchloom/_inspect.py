@@ -161,6 +161,9 @@ def _model(root: Path) -> dict[str, Any]:
             metrics=dict(card.get("metrics") or {}),
             adapter=card.get("adapter"),
         )
+    elif root.is_dir() and (root / "config.json").is_file():  # saved by transformers, without a card
+        architectures = (_read_json(root / "config.json") or {}).get("architectures") or [None]
+        info["model_class"] = architectures[0]
     if info["adapter"] is None and root.is_dir() and is_adapter_dir(root):  # peft's folder, without a card
         config = read_adapter_config(root) or {}
         targets = config.get("target_modules")
@@ -173,9 +176,6 @@ def _model(root: Path) -> dict[str, Any]:
             "bytes": info["weights"]["bytes"],
             "base": {"name_or_path": config.get("base_model_name_or_path")},
         }
-    elif root.is_dir() and (root / "config.json").is_file():  # saved by transformers, without a card
-        architectures = (_read_json(root / "config.json") or {}).get("architectures") or [None]
-        info["model_class"] = architectures[0]
     return info
 
 

@@ -3,10 +3,12 @@
 A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
 
 - ``accelerate/``: what `accelerate.Accelerator.save_state` writes: the model weights (``model.safetensors``, or
-  the sharded files of FSDP / DeepSpeed), the optimizer state (``optimizer.bin``) and the fp16 loss scaler
-  (``scaler.pt``). Accelerate reads them back with ``torch.load(weights_only=True)``, and no custom object is
-  ever registered with it, so none of these files can run code when loaded. The pickle of random states that
-  ``save_state`` also writes (``random_states_<rank>.pkl``) is removed: the random states are the engine's.
+  the sharded files of FSDP / DeepSpeed; of a model with an adapter injected in place, such as the ``peft``
+  plugin's LoRA, only its trainable parameters: `torchloom._adapter.TrainableOnly`), the optimizer state
+  (``optimizer.bin``) and the fp16 loss scaler (``scaler.pt``). Accelerate reads them back with
+  ``torch.load(weights_only=True)``, and no custom object is ever registered with it, so none of these files can
+  run code when loaded. The pickle of random states that ``save_state`` also writes (``random_states_<rank>.pkl``)
+  is removed: the random states are the engine's.
 - ``engine/``: the engine's counters, the data position (the epoch, the samples of its global order consumed,
   and what defines that order: see `torchloom._data_position`), and the learning-rate scheduler's state; in
   ``engine/process_<rank>/`` what is each process's own: its random states (Python, numpy, torch, CUDA), the
@@ -16,10 +18,11 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
 - ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
-  model's parameter names and shapes and its count of trainable parameters, the optimizer's class, the stateful
-  plugins, the logged values, the whole training up to it (``training``: the ``metrics.jsonl`` records written,
-  the samples, the training and wall time, the runs its run continued; see `torchloom._lineage`), and every file
-  with its size and SHA-256.
+  model's parameter names and shapes and its count of trainable parameters, its adapter
+  (`torchloom._adapter.describe`: method, rank, adapted modules, the base's class and SHA-256; ``None`` without
+  one), the optimizer's class, the stateful plugins, the logged values, the whole training up to it
+  (``training``: the ``metrics.jsonl`` records written, the samples, the training and wall time, the runs its run
+  continued; see `torchloom._lineage`), and every file with its size and SHA-256.
 
 Atomic: every process writes into ``.step-00000120.tmp-<pid>`` next to the final name; when all are done the
 main process writes the manifest and renames the directory into place in one ``os.rename``. A process killed

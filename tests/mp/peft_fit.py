@@ -99,6 +99,16 @@ class HandLoraTask(LoraTask):
         return model
 
 
+class PredictLoraTask(LoraTask):
+    """`LoraTask` that predicts the logits of 3 fixed sequences (`token_data` seed 9), for ``torchloom predict``."""
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(list(token_data(3, seed=9).tensors[1]), batch_size=3)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.model(input_ids=batch).logits
+
+
 # ------------------------------------------------------------------------------------ torchrun scenarios
 
 

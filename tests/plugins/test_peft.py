@@ -26,7 +26,7 @@ from torchrun_util import MP_DIR, torchrun
 
 sys.path.insert(0, str(MP_DIR))
 
-from peft_fit import LORA, MP_SCENARIOS, HandLoraTask, LoraTask, tiny_llama, token_data
+from peft_fit import LORA, MP_SCENARIOS, HandLoraTask, LoraTask, PredictLoraTask, tiny_llama, token_data
 from resume_fit import fit, stop_and_resume
 
 from test_resume import assert_resumed_exactly
@@ -446,14 +446,29 @@ def test_inspect_shows_the_adapter_and_the_base_it_needs(exported) -> None:
 
 @pytest.mark.parametrize("with_plugin", [True, False], ids=["plugin", "no_plugin"])
 def test_predict_from_the_adapter_folder_gives_the_trained_model_outputs(exported, tmp_path, with_plugin) -> None:
-    class Predict(LoraTask):
-        def predict_dataloader(self) -> Any:
-            return torch.utils.data.DataLoader(list(exported["tokens"]), batch_size=3)
-
-        def predict_step(self, batch: Any, batch_idx: int) -> Any:
-            return self.model(input_ids=batch).logits
-
     settings = {**LORA, "lora_dropout": 0.0, "modules_to_save": ["lm_head"]}
     engine = _engine(tmp_path, [{"peft": settings}] if with_plugin else [])
-    (logits,) = engine.predict(Predict(), ckpt_path=str(exported["model_dir"]))
+    (logits,) = engine.predict(PredictLoraTask(), ckpt_path=str(exported["model_dir"]))
+    assert torch.equal(exported["tokens"], token_data(3, seed=9).tensors[1])
     assert (logits - exported["logits"]).abs().max().item() <= 1e-6
+
+
+def test_the_predict_command_reads_an_adapter_folder(exported, tmp_path) -> None:
+    import yaml
+
+    from cli_util import run_cli
+
+    config = {
+        "engine": {"output_dir": "run"},
+        "task": {"class_path": "peft_fit.PredictLoraTask"},
+        "plugins": {"peft": {**LORA, "modules_to_save": ["lm_head"]}},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    done = run_cli("predict", "--config", "config.yaml", "--ckpt_path", str(exported["model_dir"]), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"weights of saved model {exported['model_dir']}" in done.stdout
+    (predictions,) = (tmp_path / "run").glob("version_*/predictions.jsonl")
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert len(rows) == 3
+    difference = (torch.tensor([row["prediction"] for row in rows]) - exported["logits"]).abs().max().item()
+    assert difference <= 1e-6, difference
