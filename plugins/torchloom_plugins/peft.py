@@ -364,9 +364,10 @@ def apply_adapter(model: torch.nn.Module, settings: PeftPluginConfig) -> list[st
             adapter already, or peft refusing the model (its message).
     """
     peft = _peft()
-    if isinstance(getattr(model, "peft_config", None), dict) and model.peft_config:
+    existing = getattr(model, "peft_config", None)
+    if isinstance(existing, dict) and existing:
         raise ConfigError(
-            f"plugin 'peft': {type(model).__name__} carries an adapter already ({', '.join(model.peft_config)}); "
+            f"plugin 'peft': {type(model).__name__} carries an adapter already ({', '.join(existing)}); "
             "build the base without one"
         )
     targets = resolve_targets(model, settings.target_modules)
@@ -395,10 +396,12 @@ def apply_adapter(model: torch.nn.Module, settings: PeftPluginConfig) -> list[st
             f"plugin 'peft': setting 'method' = {settings.method!r} cannot adapt {type(model).__name__}: "
             f"{' '.join(str(exc).split())}"
         ) from None
-    if callable(getattr(model, "enable_input_require_grads", None)):
-        embeddings = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    enable: Any = getattr(model, "enable_input_require_grads", None)
+    get_embeddings: Any = getattr(model, "get_input_embeddings", None)
+    if callable(enable) and callable(get_embeddings):
+        embeddings = get_embeddings()
         if embeddings is not None and not any(p.requires_grad for p in embeddings.parameters()):
-            model.enable_input_require_grads()  # reentrant checkpointing back-propagates only into such inputs
+            enable()  # reentrant checkpointing back-propagates only into such inputs
     return [
         name for name, module in model.named_modules() if hasattr(module, "base_layer") and hasattr(module, "merge")
     ]
@@ -459,8 +462,8 @@ class Peft(torchloom.Plugin):
 
     name = "peft"
     Config = PeftPluginConfig
-    requires: tuple[str, ...] = ()  # nothing: it works alone
-    conflicts: tuple[str, ...] = ()  # combines with every built-in plugin (see the composition notes)
+    requires = ()  # nothing: it works alone
+    conflicts = ()  # combines with every built-in plugin (see the composition notes)
 
     def __init__(self, config: PeftPluginConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -478,8 +481,9 @@ class Peft(torchloom.Plugin):
         if accelerator.is_main_process:
             merged = merged_copy(unwrapped)
             target = os.path.join(directory, "merged")
-            if callable(getattr(merged, "save_pretrained", None)):
-                merged.save_pretrained(target)
+            save_pretrained: Any = getattr(merged, "save_pretrained", None)
+            if callable(save_pretrained):
+                save_pretrained(target)
             else:
                 from safetensors.torch import save_model
 

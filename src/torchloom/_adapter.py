@@ -50,7 +50,7 @@ def has_adapter(model: torch.nn.Module) -> bool:
 
 def adapter_config(model: torch.nn.Module) -> Any:
     """The `peft.PeftConfig` of the model's adapter (`has_adapter` must hold)."""
-    configs = model.peft_config
+    configs: Any = model.peft_config
     return configs[ADAPTER_NAME] if ADAPTER_NAME in configs else next(iter(configs.values()))
 
 
