@@ -432,7 +432,6 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
         elif isinstance(module, ModulesToSaveWrapper):
             setattr(parent, child, module.modules_to_save["default"])
     merged.__dict__.pop("peft_config", None)
-    merged.__dict__.pop("_torchloom_base_sha256", None)
     merged.requires_grad_(True)
     return merged
 

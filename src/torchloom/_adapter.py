@@ -145,21 +145,22 @@ def read_adapter_config(directory: str | os.PathLike[str]) -> dict[str, Any] | N
 
 
 def _base_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 of the frozen base: every state_dict entry that is not an adapter's, name, dtype, shape and bytes (a
+    """SHA-256 of the frozen base: every state_dict entry that is neither a trainable parameter nor a buffer (buffers,
+    such as running statistics, may change in training: a checkpoint saves them), name, dtype, shape and bytes (a
     4-bit base's packed bytes and quantisation state included). Computed once per model object: the base is frozen."""
     cached = model.__dict__.get("_torchloom_base_sha256")
     if cached is not None:
         return str(cached)
     import hashlib
 
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    trainable = saved_names(model)
     digest = hashlib.sha256()
     for name, value in sorted(model.state_dict().items()):
         if name in trainable or not isinstance(value, torch.Tensor):
             continue
         tensor = value.detach().cpu().contiguous()
         digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     model.__dict__["_torchloom_base_sha256"] = value = digest.hexdigest()
     return value
 
@@ -252,15 +253,18 @@ def _plain_name(key: str) -> str:
     return key
 
 
-def trainable_names(model: torch.nn.Module) -> set[str]:
-    """The names of ``model``'s trainable parameters (as ``state_dict`` names them)."""
-    return {name for name, p in model.named_parameters() if p.requires_grad}
+def saved_names(model: torch.nn.Module) -> set[str]:
+    """What the checkpoint of an adapted model holds: its trainable parameters and its persistent buffers (running
+    statistics change in training even in a frozen base), as ``state_dict`` names them."""
+    buffers = {name for name, _ in model.named_buffers()}
+    return {name for name, p in model.named_parameters() if p.requires_grad} | (buffers & set(model.state_dict()))
 
 
 class TrainableOnly:
     """While active (``with``), Accelerate's ``save_state`` writes of an adapted model only its trainable parameters
-    (the adapter, and ``modules_to_save``) and ``load_state`` loads them back, leaving the frozen base as the run built
-    it; models without an adapter are saved and loaded in full. Uses Accelerate's state pre-hooks."""
+    (the adapter, and ``modules_to_save``) and persistent buffers (`saved_names`), and ``load_state`` loads them
+    back, leaving the frozen base as the run built it; models without an adapter are saved and loaded in full. Uses
+    Accelerate's state pre-hooks."""
 
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
@@ -282,7 +286,7 @@ class TrainableOnly:
         for i, model in enumerate(models):
             unwrapped = self.accelerator.unwrap_model(model)
             if i < len(weights) and has_adapter(unwrapped):
-                keep = trainable_names(unwrapped)
+                keep = saved_names(unwrapped)
                 weights[i] = {k: v for k, v in weights[i].items() if _plain_name(k) in keep}
 
     def _load(self, models: list[Any], input_dir: str) -> None:
@@ -297,12 +301,13 @@ class TrainableOnly:
             path = Path(input_dir) / ("model.safetensors" if i == 0 else f"model_{i}.safetensors")
             device = next((p.device for p in unwrapped.parameters() if p.requires_grad), torch.device("cpu"))
             state = {_plain_name(k): v for k, v in load_file(path, device=str(device)).items()}
-            expected = trainable_names(unwrapped)
+            expected = saved_names(unwrapped)
             if set(state) != expected:
                 only_saved, only_model = sorted(set(state) - expected), sorted(expected - set(state))
                 raise CheckpointError(
                     f"cannot resume from checkpoint: its adapter weights ({path.name}) do not match this run's "
-                    f"trainable parameters: only in the checkpoint {only_saved[:4]}, only in this run {only_model[:4]}"
+                    f"trainable parameters and buffers: only in the checkpoint {only_saved[:4]}, only in this run "
+                    f"{only_model[:4]}"
                 )
             unwrapped.load_state_dict(state, strict=False)
             models.remove(model)  # Accelerate loads the others in full
