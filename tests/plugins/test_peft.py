@@ -174,8 +174,10 @@ def test_the_optimizer_plugin_gets_only_the_trainable_parameters(tmp_path) -> No
         [{"grad_checkpoint": {"modules": "hf"}}],
         [{"grad_accum": {"steps": 2, "normalization": "tokens"}}],
         [{"mixed_precision": {"dtype": "bf16"}}],
+        pytest.param([{"compile": {"backend": "aot_eager"}}], marks=pytest.mark.slow),  # ~15 s of tracing
+        [{"local_sgd": {"sync_every": 2}}],
     ],
-    ids=["alone", "grad_clip", "checkpoint_reentrant", "checkpoint", "grad_accum_tokens", "bf16"],
+    ids=["alone", "grad_clip", "checkpoint_reentrant", "checkpoint", "grad_accum", "bf16", "compile", "local_sgd"],
 )
 def test_the_plugin_gives_the_results_of_the_adapter_written_by_hand(tmp_path, extra) -> None:
     plugin = _engine(tmp_path / "plugin", [{"peft": LORA}, *extra], seed=3)
@@ -186,7 +188,10 @@ def test_the_plugin_gives_the_results_of_the_adapter_written_by_hand(tmp_path, e
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    assert plugin.history == hand.history
+    timings = ("compile/",)  # compile's own counters and times: per process, not results
+    assert [{k: v for k, v in r.items() if not k.startswith(timings)} for r in plugin.history] == [
+        {k: v for k, v in r.items() if not k.startswith(timings)} for r in hand.history
+    ]
     if extra and "grad_clip" in extra[0]:  # the norm is that of the adapter's gradients, and it clipped
         norms = [r["grad_norm"] for r in plugin.history if "grad_norm" in r]
         assert norms and all(n > 0.05 for n in norms)
