@@ -15,7 +15,7 @@ Method card
   replaced by ``bitsandbytes.nn.Linear4bit`` / ``Linear8bitLt`` holding the same weights quantised. Any ``peft``
   tuner that injects in place can be chosen with ``method`` (``lora``, ``loha``, ``lokr``, ``ia3``, ...); its
   other keywords go in ``options``.
-- **Hooks:** ``configure_model`` only.
+- **Hooks:** ``setup`` (``merge`` needs ``save_model: true``), ``configure_model``, ``on_save_model`` (``merge``).
 - **Composition:** the ``optimizer`` plugin builds its groups from trainable parameters only, so it sees the
   adapter alone; a task's own optimizer over ``self.model.parameters()`` holds the frozen base too but never
   steps it (no gradient: no state, no update). ``grad_clip`` clips the norm of the gradients that exist (the
@@ -446,8 +446,8 @@ class Peft(torchloom.Plugin):
         config (`PeftPluginConfig`, *optional*): ready-made settings, or pass them as keywords.
 
     Raises:
-        ConfigError: bad settings (when the plugin is built); at ``configure_model``, a target that matches no
-            module, a model without ``nn.Linear`` layers to quantise.
+        ConfigError: bad settings (when the plugin is built); at ``setup``, ``merge`` without ``save_model``; at
+            ``configure_model``, a target that matches no module, a model without ``nn.Linear`` layers to quantise.
 
     Example:
 
@@ -467,6 +467,14 @@ class Peft(torchloom.Plugin):
     def __init__(self, config: PeftPluginConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
         self.adapted: list[str] = []
+
+    @torchloom.hookimpl
+    def setup(self, config: Any, stage: str) -> None:
+        if stage == "fit" and self.config.merge and not getattr(config, "save_model", False):
+            raise ConfigError(
+                "plugin 'peft': setting 'merge' = True writes model/merged/ next to the saved adapter, but engine "
+                "setting 'save_model' is false; expected save_model: true, or merge: false"
+            )
 
     @torchloom.hookimpl
     def configure_model(self, model: torch.nn.Module) -> None:

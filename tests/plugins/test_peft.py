@@ -110,6 +110,7 @@ class NoLinearTask(LoraTask):
         (LoraTask, {"target_modules": ["model.layers.7.*"]}, r"entry 'model.layers.7.\*' matches no module"),
         (LoraTask, {"target_modules": r".*\.attn\.q_proj"}, r"entry '.*attn.*' matches no module"),
         (LoraTask, {"modules_to_save": ["lm_haed"]}, r"'modules_to_save' entry 'lm_haed'.*did you mean 'lm_head'\?"),
+        (LoraTask, {"merge": True}, r"setting 'merge' = True .* engine setting 'save_model' is false; expected"),
         (
             NoLinearTask,
             {"target_modules": ["1"], "load_in_4bit": True},
