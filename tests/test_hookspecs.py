@@ -128,7 +128,7 @@ def test_recording_plugin_implements_every_hook():
 def _fire_everything(tmp_path) -> tuple[list[str], list[str]]:
     """Names the recorder saw in a fit; and over that fit, validate, predict and a fit that raises."""
     rec = RecordingPlugin()
-    engine = torchloom.Engine(plugins=[rec], log_every_n_steps=1, output_dir=str(tmp_path / "ok"))
+    engine = torchloom.Engine(plugins=[rec], log_every_n_steps=1, save_model=True, output_dir=str(tmp_path / "ok"))
     task = TinyTask(n=8, batch_size=4)
     engine.fit(task)
     fit_calls = list(rec.calls)
@@ -168,9 +168,9 @@ def test_documented_firing_order_matches_a_fit(tmp_path):
     assert first_seen == listed
 
 
-#: hook -> the calls that fire it, over one engine: a fit, then a validate and a predict of the same task (which
-#: reuse the fitted model), then a fit whose training_step raises. `test_hook_fires` checks each hook against it,
-#: so every hook has a named test that fires it: ``tests/test_hookspecs.py::test_hook_fires[<hook>]``.
+#: hook -> the calls that fire it, over one engine: a fit (save_model: true), then a validate and a predict of the same
+#: task (which reuse the fitted model), then a fit whose training_step raises. `test_hook_fires` checks each hook
+#: against it, so every hook has a named test that fires it: ``tests/test_hookspecs.py::test_hook_fires[<hook>]``.
 FIRED_IN = {
     "setup": {"fit", "validate", "predict", "failing fit"},
     "configure_accelerator": {"fit", "failing fit"},
@@ -196,6 +196,7 @@ FIRED_IN = {
     "on_predict_end": {"predict"},
     "on_log": {"fit", "validate"},
     "on_train_end": {"fit"},  # not after an exception
+    "on_save_model": {"fit"},  # save_model: true, after a completed fit
     "on_exception": {"failing fit"},
     "on_fit_end": {"fit", "failing fit"},  # whether training completed or raised
     "teardown": {"fit", "validate", "predict", "failing fit"},
@@ -214,7 +215,7 @@ def fired_in(tmp_path_factory) -> dict[str, set[str]]:
             seen.setdefault(name, set()).add(call)
         rec.records.clear()
 
-    engine = torchloom.Engine(plugins=[rec], log_every_n_steps=1, output_dir=str(tmp / "ok"))
+    engine = torchloom.Engine(plugins=[rec], log_every_n_steps=1, save_model=True, output_dir=str(tmp / "ok"))
     task = TinyTask(n=8, batch_size=4)
     engine.fit(task)
     mark("fit")

@@ -494,9 +494,10 @@ def test_each_command_says_what_its_path_should_be(fitted, tmp_path):
     empty.mkdir()
     weights = (
         "expected a checkpoint (a directory with manifest.json), an exported model (a directory with "
-        "model.safetensors or model.safetensors.index.json, or one .safetensors file), a run directory (version_N, "
-        "with model/ or checkpoints/), an output_dir whose runs have a checkpoint, or 'last' / 'best' (the latest / "
-        "the best-scoring checkpoint of the engine's output_dir)"
+        "model.safetensors or model.safetensors.index.json, or one .safetensors file, or an adapter folder with "
+        "adapter_config.json and adapter_model.safetensors), a run directory (version_N, with model/ or checkpoints/), "
+        "an output_dir whose runs have a checkpoint, or 'last' / 'best' (the latest / the best-scoring checkpoint of "
+        "the engine's output_dir)"
     )
     for path, problem in [
         (notes, " is a file that holds no weights predict reads"),

@@ -121,7 +121,7 @@ def test_the_saved_model_is_the_model_after_on_train_end(tmp_path):
     assert saved.keys() == model.state_dict().keys()
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in saved.values())
-    assert rec.calls[-4:] == ["on_train_epoch_end", "on_train_end", "on_fit_end", "teardown"]
+    assert rec.calls[-5:] == ["on_train_epoch_end", "on_train_end", "on_save_model", "on_fit_end", "teardown"]
 
 
 def test_on_train_end_does_not_fire_after_an_exception(tmp_path):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from torchloom import _strict_json
+from torchloom._adapter import describe, has_adapter, is_adapter_dir, load_adapter
 from torchloom._layout import MODEL_CARD, MODEL_DIR, is_run_dir
 from torchloom._safetensors import (
     WEIGHTS_INDEX,
@@ -66,6 +67,23 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def adapter_card(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The card's ``adapter``: what `torchloom._adapter.describe` records (method, rank, alpha, adapted modules,
+    ``modules_to_save``, quantisation, the base it needs: class, ``name_or_path``, SHA-256 of its frozen weights),
+    with ``trainable_parameters``, ``total_parameters`` and ``bytes`` (the adapter's tensors as saved); ``None``
+    for a model without an adapter."""
+    described = describe(model)
+    if described is None:
+        return None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {
+        **described,
+        "trainable_parameters": sum(p.numel() for p in trainable),
+        "total_parameters": sum(p.numel() for p in model.parameters()),
+        "bytes": sum(p.numel() * p.element_size() for p in trainable),
+    }
+
+
 def model_card(
     model: torch.nn.Module,
     run_config: Mapping[str, Any] | None,
@@ -93,6 +111,7 @@ def model_card(
             "trainable_parameters": counts["trainable"],
             "parameter_dtypes": counts["dtypes"],
         },
+        "adapter": adapter_card(model),
         "global_step": global_step,
         "epoch": epoch,
         "metrics": dict(metrics),
@@ -113,15 +132,15 @@ def is_exported_model(path: Path) -> bool:
     """Whether ``path`` is what `TaskModule.save_model` (or ``save_pretrained``) writes, or one safetensors file."""
     if path.is_file():
         return path.suffix == ".safetensors"
-    return (path / "model.safetensors").is_file() or (path / WEIGHTS_INDEX).is_file()
+    return (path / "model.safetensors").is_file() or (path / WEIGHTS_INDEX).is_file() or is_adapter_dir(path)
 
 
 #: What ``validate``'s and ``predict``'s ``ckpt_path`` may name, for their messages.
 PREDICT_WEIGHTS = (
     "a checkpoint (a directory with manifest.json), an exported model (a directory with model.safetensors or "
-    "model.safetensors.index.json, or one .safetensors file), a run directory (version_N, with model/ or "
-    "checkpoints/), an output_dir whose runs have a checkpoint, or 'last' / 'best' (the latest / the best-scoring "
-    "checkpoint of the engine's output_dir)"
+    "model.safetensors.index.json, or one .safetensors file, or an adapter folder with adapter_config.json and "
+    "adapter_model.safetensors), a run directory (version_N, with model/ or checkpoints/), an output_dir whose "
+    "runs have a checkpoint, or 'last' / 'best' (the latest / the best-scoring checkpoint of the engine's output_dir)"
 )
 #: The names ``ckpt_path`` may give instead of a path, as Lightning's ``trainer.validate(ckpt_path="best")``.
 NAMED_CHECKPOINTS = ("last", "best")
@@ -142,7 +161,8 @@ def resolve_weights(
       plugin's), lowest or highest by ``mode``, an earlier one on a tie, NaN never (`torchloom.Monitor.is_better`);
       a directory of that name is ``./last``;
     - a checkpoint directory (with ``manifest.json``): itself, its files checked against the manifest;
-    - an exported model (``model.safetensors`` or ``model.safetensors.index.json``), or a ``.safetensors`` file:
+    - an exported model (``model.safetensors`` or ``model.safetensors.index.json``; or an adapter in peft's format,
+      ``adapter_config.json`` and ``adapter_model.safetensors``), or a ``.safetensors`` file:
       itself, the header of each weight file checked (`header_entries`);
     - a run directory: its ``model/`` when the fit saved one (the final weights), else its latest checkpoint;
     - otherwise (an ``output_dir``): the latest checkpoint of its latest run that has one.
@@ -251,13 +271,22 @@ def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:
 
     A checkpoint's weights are ``accelerate/model.safetensors`` (the first model Accelerate saved); a ``module.``
     prefix (DDP) or ``_orig_mod.`` prefix (``torch.compile``) on every key is removed first. Tied weights, stored
-    once, are loaded through the name the file keeps. An exported model is loaded with `TaskModule.load_model`.
+    once, are loaded through the name the file keeps; the checkpoint of a model with an adapter holds its trainable
+    parameters only (the frozen base is the one the task built). An exported model is loaded with
+    `TaskModule.load_model`; an adapter folder with `torchloom._adapter.load_adapter` (injected first into a model
+    that has no adapter).
 
     Raises:
         CheckpointError: the checkpoint holds no single-file weights (FSDP / DeepSpeed shards), or they do not fit
             ``model`` (missing, unexpected or differently shaped keys).
         ConfigError: an exported model that does not fit ``model``.
     """
+    if kind == "model" and is_adapter_dir(path):  # peft's format: injected first when the model has no adapter
+        try:
+            load_adapter(model, path)
+        except ConfigError as exc:
+            raise ConfigError(f"predict: {exc}") from None
+        return
     if kind == "model":
         from torchloom.module import TaskModule
 
@@ -283,6 +312,9 @@ def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:
         raise CheckpointError(f"{where} do not fit {type(model).__name__}: {' '.join(str(exc).split())}") from None
     loaded = expected.keys() - set(missing)
     missing = [k for k in missing if not any(expected[k].is_set_to(expected[other]) for other in loaded)]
+    if has_adapter(model):  # the checkpoint of an adapted model holds its trainable parameters only
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        missing = sorted(trainable - set(state))
     if missing or unexpected:
         found = "; ".join(
             f"{kind} keys {sorted(keys)}" for kind, keys in (("missing", missing), ("unexpected", unexpected)) if keys

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from torchloom import _strict_json
+from torchloom._adapter import is_adapter_dir, read_adapter_config
 from torchloom._export import (
     MODEL_CARD,
     is_exported_model,
@@ -51,6 +52,11 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
       logged name; non-finite values as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
     - ``checkpoints``: a run's complete checkpoints, oldest first (``path``, ``global_step``, ``epoch``);
       ``model_dir``: a run's exported model; ``size_bytes``: a checkpoint's files, all together;
+    - ``adapter``: a model with a LoRA (or other peft) adapter: ``method``, ``r``, ``lora_alpha``, ``targets`` (the
+      adapted modules), ``modules_to_save``, ``quantization``, ``trainable_parameters``, ``total_parameters``,
+      ``bytes`` and ``base`` (the base it needs: ``class``, ``name_or_path``, ``sha256`` of its frozen weights), from
+      the model card or a checkpoint's manifest (an adapter folder without a card: what ``adapter_config.json``
+      says); ``None`` without an adapter;
     - ``resumed_from``: the runs a resumed run continues (a checkpoint: that its run continued), oldest first,
       each ``run_dir``, ``checkpoint`` (the one the next run resumed from) and ``global_step``; ``None`` when it
       did not resume (or for an exported model).
@@ -106,6 +112,7 @@ def _empty(root: Path, kind: str) -> dict[str, Any]:
         "model_dir": None,
         "size_bytes": None,
         "resumed_from": None,
+        "adapter": None,
     }
 
 
@@ -124,6 +131,7 @@ def _checkpoint(root: Path) -> dict[str, Any]:
         global_step=manifest.get("global_step"),
         epoch=manifest.get("epoch"),
         metrics=dict(manifest.get("metrics") or {}),
+        adapter=manifest.get("adapter"),
         size_bytes=sum(int(f.get("bytes", 0)) for f in (manifest.get("files") or {}).values())
         + (root / MANIFEST).stat().st_size,
     )
@@ -151,10 +159,23 @@ def _model(root: Path) -> dict[str, Any]:
             global_step=card.get("global_step"),
             epoch=card.get("epoch"),
             metrics=dict(card.get("metrics") or {}),
+            adapter=card.get("adapter"),
         )
     elif root.is_dir() and (root / "config.json").is_file():  # saved by transformers, without a card
         architectures = (_read_json(root / "config.json") or {}).get("architectures") or [None]
         info["model_class"] = architectures[0]
+    if info["adapter"] is None and root.is_dir() and is_adapter_dir(root):  # peft's folder, without a card
+        config = read_adapter_config(root) or {}
+        targets = config.get("target_modules")
+        info["adapter"] = {
+            "method": str(config.get("peft_type") or "").lower() or None,
+            "r": config.get("r"),
+            "lora_alpha": config.get("lora_alpha"),
+            "targets": sorted(targets) if isinstance(targets, list) else targets,
+            "modules_to_save": config.get("modules_to_save"),
+            "bytes": info["weights"]["bytes"],
+            "base": {"name_or_path": config.get("base_model_name_or_path")},
+        }
     return info
 
 
@@ -175,6 +196,7 @@ def _run(root: Path) -> dict[str, Any]:
     info.update(
         model_class=source["model_class"],
         parameters=source["parameters"],
+        adapter=source["adapter"],
         weights=source["weights"],
         weights_from=source["weights_from"],
         plugins=config.get("plugins"),

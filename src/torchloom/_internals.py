@@ -300,7 +300,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "torch._dynamo.eval_frame.OptimizedModule",
         "a compiled model's state_dict keys start with _orig_mod., which loading a checkpoint's weights strips",
-        ("torchloom._export",),
+        ("torchloom._export", "torchloom._adapter"),
         kind="source",
         contains=("_orig_mod",),
         names=("_orig_mod",),

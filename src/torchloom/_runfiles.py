@@ -116,6 +116,7 @@ def finish_fit(task: Any, run: Any, config: Any, logs: Any) -> None:
             # leaves only that directory, which the next run in output_dir removes.
             with atomic_directory(path, pid=pid[0], rename=acc.is_main_process) as tmp:
                 task.save_model(str(tmp))
+                run.relay.call("on_save_model", directory=str(tmp), model=run.model, accelerator=acc)
                 if acc.is_main_process and tmp.is_dir():  # an overridden save_model may write elsewhere
                     write_model_card(str(tmp), run, logs.latest, logs.history[-1] if logs.history else {})
         except Exception as exc:

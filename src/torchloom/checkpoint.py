@@ -3,10 +3,12 @@
 A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
 
 - ``accelerate/``: what `accelerate.Accelerator.save_state` writes: the model weights (``model.safetensors``, or
-  the sharded files of FSDP / DeepSpeed), the optimizer state (``optimizer.bin``) and the fp16 loss scaler
-  (``scaler.pt``). Accelerate reads them back with ``torch.load(weights_only=True)``, and no custom object is
-  ever registered with it, so none of these files can run code when loaded. The pickle of random states that
-  ``save_state`` also writes (``random_states_<rank>.pkl``) is removed: the random states are the engine's.
+  the sharded files of FSDP / DeepSpeed; of a model with an adapter injected in place, such as the ``peft``
+  plugin's LoRA, only its trainable parameters: `torchloom._adapter.TrainableOnly`), the optimizer state
+  (``optimizer.bin``) and the fp16 loss scaler (``scaler.pt``). Accelerate reads them back with
+  ``torch.load(weights_only=True)``, and no custom object is ever registered with it, so none of these files can
+  run code when loaded. The pickle of random states that ``save_state`` also writes (``random_states_<rank>.pkl``)
+  is removed: the random states are the engine's.
 - ``engine/``: the engine's counters, the data position (the epoch, the samples of its global order consumed,
   and what defines that order: see `torchloom._data_position`), and the learning-rate scheduler's state; in
   ``engine/process_<rank>/`` what is each process's own: its random states (Python, numpy, torch, CUDA), the
@@ -16,10 +18,11 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
 - ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
-  model's parameter names and shapes and its count of trainable parameters, the optimizer's class, the stateful
-  plugins, the logged values, the whole training up to it (``training``: the ``metrics.jsonl`` records written,
-  the samples, the training and wall time, the runs its run continued; see `torchloom._lineage`), and every file
-  with its size and SHA-256.
+  model's parameter names and shapes and its count of trainable parameters, its adapter
+  (`torchloom._adapter.describe`: method, rank, adapted modules, the base's class and SHA-256; ``None`` without
+  one), the optimizer's class, the stateful plugins, the logged values, the whole training up to it
+  (``training``: the ``metrics.jsonl`` records written, the samples, the training and wall time, the runs its run
+  continued; see `torchloom._lineage`), and every file with its size and SHA-256.
 
 Atomic: every process writes into ``.step-00000120.tmp-<pid>`` next to the final name; when all are done the
 main process writes the manifest and renames the directory into place in one ``os.rename``. A process killed
@@ -43,6 +46,7 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from torchloom import _atomic as atomic
+from torchloom._adapter import TrainableOnly, describe, resume_problems
 from torchloom._atomic import temporary_path
 from torchloom._data_position import DataOrder, layout_problems
 from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
@@ -151,7 +155,8 @@ def _write_parts(
     ``None`` when all were written. Any other error (a plugin's bad state) propagates: it happens on every rank."""
     main = accelerator.is_main_process
     try:
-        accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
+        with TrainableOnly(accelerator):  # an adapted model: its adapter only, not the frozen base
+            accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
         (tmp / "accelerate" / _ACCELERATE_RANDOM_STATES.format(accelerator.process_index)).unlink(missing_ok=True)
         save_plugin_state(plugins, tmp / "plugins", is_main_process=main)
         own = [_Named("engine", lambda: engine_state, _no_load)]
@@ -206,6 +211,7 @@ def _manifest(
             "parameters": {name: list(p.shape) for name, p in unwrapped.named_parameters()},
             "trainable_parameters": sum(p.numel() for p in unwrapped.parameters() if p.requires_grad),
         },
+        "adapter": describe(unwrapped),
         "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
         "plugins": sorted(p.stem for p in (root / "plugins").glob("*.json")) if (root / "plugins").is_dir() else [],
         "metrics": {k: v for k, v in metrics.items()},
@@ -390,7 +396,10 @@ def check_compatible(
         )
     saved = {k: tuple(v) for k, v in (manifest.get("model") or {}).get("parameters", {}).items()}
     current = {name: tuple(p.shape) for name, p in accelerator.unwrap_model(model).named_parameters()}
-    if saved != current:
+    adapter = resume_problems(manifest.get("adapter"), describe(accelerator.unwrap_model(model)))
+    if adapter:  # named as what differs (base, rank, targets), not as the parameter shapes that follow from it
+        problems += adapter
+    elif saved != current:
         diffs = [f"{n}: saved {list(saved[n])}, now {list(current[n])}" for n in saved.keys() & current.keys()]
         diffs = sorted(d for d in diffs if (n := d.split(":")[0]) and saved[n] != current[n])
         diffs += [f"{n}: only in the checkpoint" for n in sorted(saved.keys() - current.keys())]
@@ -495,7 +504,8 @@ def load_checkpoint(
     load_plugin_state(plugins, root / "plugins")  # every file checked before any plugin's load_state_dict
     fresh_optimizer = None if load_optimizer else _copy_state(optimizer.state_dict())
     try:
-        accelerator.load_state(str(root / "accelerate"))
+        with TrainableOnly(accelerator):  # an adapted model: its adapter is loaded, the frozen base kept
+            accelerator.load_state(str(root / "accelerate"))
     except FileNotFoundError as exc:
         raise CheckpointError(
             f"checkpoint {str(root)!r} is incomplete: Accelerate needs {exc.filename or exc}, which it does not hold"

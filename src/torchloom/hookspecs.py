@@ -45,6 +45,7 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
     on_log                                    once more if anything is still buffered
     on_train_end                              1x, when training completed: before the model is saved
     (the model is saved here, with save_model: true)
+    on_save_model                             1x, right after the save, before its folder is in place
     on_exception                              only if the fit raised
     on_fit_end                                1x, always, after the save
     teardown                                  1x, always
@@ -643,6 +644,30 @@ def on_train_end(
         @torchloom.hookimpl
         def on_train_end(self, model):
             self.copy_average_to(model)  # the saved model is the averaged one
+    """
+
+
+@hookspec
+def on_save_model(directory: str, model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """Called right after `TaskModule.save_model` wrote the fit's model folder: add files to it here.
+
+    **Fires:** once per ``fit`` that completed with ``save_model: true``, on every rank, after ``on_train_end``
+    and `TaskModule.save_model`, before the model card is written and the folder is renamed into place
+    (``<run_dir>/model``): what is written into ``directory`` appears with the rest of the folder, or not at all.
+    Write on the main process only (``accelerator.is_main_process``). Do not change the weights.
+
+    :param directory: the folder being written (a temporary directory next to ``<run_dir>/model``).
+    :param model: the prepared model.
+    :param accelerator: the run's Accelerator.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def on_save_model(self, directory, accelerator):
+            if accelerator.is_main_process:
+                self.tokenizer.save_pretrained(directory)
     """
 
 

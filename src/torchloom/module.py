@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchloom._adapter import has_adapter, save_adapter
 from torchloom._context import log_to_active_run, request_stop
 from torchloom._layout import MODEL_CARD
 from torchloom._safetensors import check_weight_files
@@ -140,8 +141,11 @@ class TaskModule:
         ``max_shard_size`` is split into ``model-0000k-of-0000n.safetensors`` shards listed in
         ``model.safetensors.index.json``; otherwise it is one ``model.safetensors``. Weight files of an earlier
         save in ``directory`` are replaced, and the model card of an earlier fit (``torchloom_model.json``, which
-        the end of a fit writes after this) is removed: it described other weights. Override to also save a
-        tokenizer or processor.
+        the end of a fit writes after this) is removed: it described other weights. A model that carries
+        an adapter injected in place (the ``peft`` plugin's LoRA / QLoRA) is saved as the adapter alone, in peft's own
+        format (``adapter_config.json`` and ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes;
+        the frozen base is not written): load it with ``peft.PeftModel.from_pretrained(base, directory)``. Override
+        to also save a tokenizer or processor.
 
         Args:
             directory (`str` or `os.PathLike`): where to save; created if missing.
@@ -154,7 +158,9 @@ class TaskModule:
         if accelerator.is_main_process:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(directory, MODEL_CARD))
-        if hasattr(model, "save_pretrained"):
+        if has_adapter(model):  # an adapter injected in place (the peft plugin): peft's own format, no frozen base
+            save_adapter(model, directory, state_dict=state_dict, is_main_process=accelerator.is_main_process)
+        elif hasattr(model, "save_pretrained"):
             model.save_pretrained(
                 directory,
                 is_main_process=accelerator.is_main_process,

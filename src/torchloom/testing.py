@@ -220,6 +220,10 @@ class RecordingPlugin:
         self._record("on_train_end", progress)
 
     @hookimpl
+    def on_save_model(self) -> None:
+        self._record("on_save_model")
+
+    @hookimpl
     def on_exception(self, progress) -> None:
         self._record("on_exception", progress)
 

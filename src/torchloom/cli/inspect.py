@@ -53,6 +53,7 @@ def _inspection_lines(info: Mapping[str, Any]) -> list[tuple[str, str]]:
         where = f" in {info['weights_from']}" if info["kind"] == "run" else ""
         rows.append(("weights", f"{_amounts(weights)}{where}"))
         rows += [(f"  {dtype}", _amounts(row)) for dtype, row in weights["dtypes"].items()]
+    rows += _adapter_lines(info.get("adapter"))
     if info["global_step"] is not None:
         rows.append(("step", f"{info['global_step']} (epoch {info['epoch']})"))
     plugins = info["plugins"]
@@ -74,6 +75,32 @@ def _inspection_lines(info: Mapping[str, Any]) -> list[tuple[str, str]]:
         rows.append(("model dir", info["model_dir"] or "(none: the fit saved no model)"))
     if info["size_bytes"] is not None:
         rows.append(("files", f"{_byte_count(info['size_bytes'])} in all (optimizer state included)"))
+    return rows
+
+
+def _adapter_lines(adapter: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """The adapter's rows: method and rank, targets, trainable / total parameters and bytes, the base it needs."""
+    if not adapter:
+        return []
+    rows = [("adapter", f"{adapter.get('method')} r={adapter.get('r')} lora_alpha={adapter.get('lora_alpha')}")]
+    targets = adapter.get("targets")
+    shown = targets if isinstance(targets, str) else ", ".join(targets or []) or "n/a"
+    rows.append(("  targets", shown))
+    if adapter.get("modules_to_save"):
+        rows.append(("  full", ", ".join(adapter["modules_to_save"])))
+    if adapter.get("trainable_parameters") is not None:
+        total = adapter.get("total_parameters")
+        share = f" ({100 * adapter['trainable_parameters'] / total:.2f} %)" if total else ""
+        rows.append(("  trainable", f"{adapter['trainable_parameters']:,} of {total:,} parameters{share}"))
+    if adapter.get("bytes") is not None:
+        rows.append(("  size", _byte_count(int(adapter["bytes"]))))
+    if adapter.get("quantization"):
+        rows.append(("  quantized", str(adapter["quantization"])))
+    base = adapter.get("base") or {}
+    needs = [str(base[k]) for k in ("class", "name_or_path") if base.get(k)]
+    if base.get("sha256"):
+        needs.append(f"sha256 {str(base['sha256'])[:16]}...")
+    rows.append(("  base", ", ".join(needs) or "n/a"))
     return rows
 
 
