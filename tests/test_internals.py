@@ -33,6 +33,7 @@ NOT_LIBRARY_INTERNALS = {
     "_fields": "_padding.py: a namedtuple's fields (documented in the standard library)",
     "_torchloom_checkpoint": "grad_checkpoint.py: the plugin's own attribute on the modules it checkpoints",
     "_torchloom_base_sha256": "_adapter.py: the core's own cache of an adapted model's base hash (in its __dict__)",
+    "_per_s": "throughput.py: the suffix of its logged rates (samples_per_s, tokens_per_s)",
 }
 PRIVATE_STRING = re.compile(r"_[a-z][A-Za-z0-9_]*\.?")
 

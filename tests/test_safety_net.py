@@ -121,6 +121,27 @@ def test_optimizer_state_size_not_logged_after_a_skipped_fp16_step(tmp_path):
     assert optimizer_state_bytes(capture.optimizer) == 48
 
 
+@pytest.mark.parametrize("source", ["task", "plugin"])
+def test_fp16_loss_scaling_with_a_fused_optimizer_is_refused_before_training(tmp_path, source):
+    """A fused AdamW skips an overflow step inside step(), where Accelerate cannot see it: the skipped step above
+    would count as taken (the scheduler stepped, the state logged). The plugin's default under fp16 is foreach (the
+    test above); asked for fused, or a task's own fused AdamW, the fit stops with one ConfigError."""
+
+    class FusedTask(TinyTask):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=True)
+
+    plugins: dict = {"mixed_precision": {"dtype": "fp16"}}
+    if source == "plugin":
+        plugins["optimizer"] = {"name": "adamw", "implementation": "fused"}
+    task = FusedTask(n=16, validate=False) if source == "task" else TinyTask(n=16, validate=False)
+    with pytest.raises(torchloom.ConfigError, match=r"mixed_precision fp16 with a fused AdamW \(fused=True\)"):
+        tiny_fit([plugins], task=task, max_steps=1, output_dir=str(tmp_path))
+    from torchloom_plugins.optimizer import adamw_kernel
+
+    assert adamw_kernel(None, "cpu", loss_scaling=True) == {"foreach": True}
+
+
 def test_8bit_adam_keeps_embedding_state_in_32_bits_by_default(tmp_path):
     """adamw8bit with no ``embedding_32bit`` setting: the embedding (6,400 elements, above ``min_8bit_size``)
     has float32 state, while a Linear weight of the same size has uint8 state."""

@@ -102,7 +102,7 @@ class OptimizerConfig:
             parameters), ``foreach`` (one multi-tensor op per state) or ``for_loop`` (one op per parameter); the
             same update within rounding (`adamw_kernel`). ``None``: the fastest the device has, ``fused`` where
             torch has the kernel for it (CPU, CUDA, MPS, XPU, ...; the HF Trainer's default ``adamw_torch_fused``),
-            else ``foreach``.
+            else ``foreach``; ``foreach`` under fp16 loss scaling (the engine refuses a fused optimizer there).
         no_decay (`list[str]`, defaults to ``["bias", "norm"]``): a parameter is exempt from weight decay when
             an item is a case-insensitive substring of its qualified name or of its module's class name
             (``LayerNorm``, ``LlamaRMSNorm``, ``BatchNorm1d``); ``[]`` decays everything.
@@ -250,15 +250,17 @@ def fused_devices() -> tuple[str, ...]:
     return tuple(_get_fused_kernels_supported_devices())
 
 
-def adamw_kernel(implementation: str | None, device_type: str) -> dict[str, bool]:
+def adamw_kernel(implementation: str | None, device_type: str, loss_scaling: bool = False) -> dict[str, bool]:
     """The keyword arguments of `torch.optim.AdamW` that choose its implementation.
 
     Args:
         implementation (`str` or ``None``): ``"fused"``, ``"foreach"``, ``"for_loop"``, or ``None`` for the fastest
             the device has: ``fused`` where torch has a fused kernel for ``device_type`` (`fused_devices`), else
-            ``foreach``. All three give the same update within float rounding (a few ulp; tests/plugins/
-            test_optimizer.py compares them).
+            ``foreach``; ``foreach`` under fp16 loss scaling, where the engine refuses a fused optimizer (it skips
+            an overflow step inside ``step()``, where Accelerate cannot see it). All three give the same update
+            within float rounding (a few ulp; tests/plugins/test_optimizer.py compares them).
         device_type (`str`): the device the run trains on (``accelerator.device.type``).
+        loss_scaling (`bool`, defaults to False): the run scales its loss (``mixed_precision: fp16``).
 
     Returns:
         `dict[str, bool]`: ``{"fused": True}``, ``{"foreach": True}`` or ``{"foreach": False}``.
@@ -267,7 +269,7 @@ def adamw_kernel(implementation: str | None, device_type: str) -> dict[str, bool
         ConfigError: ``"fused"`` on a device type torch has no fused kernel for.
     """
     if implementation is None:
-        implementation = "fused" if device_type in fused_devices() else "foreach"
+        implementation = "fused" if device_type in fused_devices() and not loss_scaling else "foreach"
     if implementation == "fused":
         if device_type not in fused_devices():
             raise ConfigError(
@@ -279,7 +281,7 @@ def adamw_kernel(implementation: str | None, device_type: str) -> dict[str, bool
 
 
 def create_optimizer(
-    model: torch.nn.Module, config: OptimizerConfig, device_type: str = "cpu"
+    model: torch.nn.Module, config: OptimizerConfig, device_type: str = "cpu", loss_scaling: bool = False
 ) -> torch.optim.Optimizer:
     """Build the optimizer ``config`` names over the trainable parameters of ``model``.
 
@@ -293,6 +295,7 @@ def create_optimizer(
         model (`torch.nn.Module`): the unprepared model.
         config (`OptimizerConfig`): the settings.
         device_type (`str`, defaults to ``"cpu"``): the device the run trains on (``accelerator.device.type``).
+        loss_scaling (`bool`, defaults to False): the run scales its loss (fp16; `adamw_kernel`).
 
     Returns:
         `torch.optim.Optimizer`.
@@ -317,7 +320,7 @@ def create_optimizer(
     ]
     lr: Any = c.lr  # None only for adafactor (validated by OptimizerConfig)
     if c.name == "adamw":
-        kernel = adamw_kernel(c.implementation, device_type)
+        kernel = adamw_kernel(c.implementation, device_type, loss_scaling)
         return torch.optim.AdamW(groups, lr=lr, betas=c.betas or (0.9, 0.999), eps=_or(c.eps, 1e-8), **kernel)
     if c.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=_or(c.momentum, 0.0))
@@ -595,7 +598,8 @@ class OptimizerSwap(torchloom.Plugin):
 
     @torchloom.hookimpl
     def configure_optimizers(self, model, accelerator, num_training_steps) -> Any:
-        optimizer = create_optimizer(model, self.config, accelerator.device.type)
+        scaling = getattr(accelerator, "scaler", None) is not None  # fp16: not fused (adamw_kernel)
+        optimizer = create_optimizer(model, self.config, accelerator.device.type, scaling)
         self._built, self._state_logged = (model, optimizer), False
         scheduler = create_scheduler(optimizer, self.config, num_training_steps)
         return optimizer if scheduler is None else (optimizer, scheduler)

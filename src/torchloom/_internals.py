@@ -261,8 +261,41 @@ INTERNALS: tuple[Internal, ...] = (
     # ----------------------------------------------------------------------------------------------------- torch
     Internal(
         "torch._subclasses.fake_tensor.FakeTensorMode",
-        "estimate-memory runs a training step on fake tensors (shapes and storage sizes, no data)",
-        (_MEMORY,),
+        "estimate-memory and estimate_flops run a training step on fake tensors (shapes and storage sizes, no data)",
+        (_MEMORY, "torchloom._flops"),
+    ),
+    Internal(
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
+        "estimate_flops gives FlopCounterMode a formula for the CPU's fused attention (torch 2.13 has none: it "
+        "would count 0) and for its backward",
+        ("torchloom._flops",),
+        names=("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    ),
+    Internal(
+        "torch.ops.aten._scaled_dot_product_flash_attention_backward",
+        "estimate_flops counts the fused attention kernels' backward as model FLOPs (twice the forward), not with "
+        "torch's formula, which adds the recomputation of the scores",
+        ("torchloom._flops",),
+        names=(
+            "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_cudnn_attention_backward",
+        ),
+    ),
+    Internal(
+        "torch.utils._foreach_utils._get_fused_kernels_supported_devices",
+        "the optimizer plugin's adamw takes torch's fused kernel on the device types torch lists (what fused=True is "
+        "checked against)",
+        ("torchloom_plugins.optimizer",),
+    ),
+    Internal(
+        "torch.optim.AdamW._step_supports_amp_scaling",
+        "a fused optimizer skips an fp16 overflow step inside step(), which Accelerate cannot see (it watches whether "
+        "step() was called): the engine refuses fp16 loss scaling with such an optimizer",
+        ("torchloom._setup",),
+        kind="instance",
+        make=lambda: __import__("torch").optim.AdamW([__import__("torch").zeros(1, requires_grad=True)], fused=True),
+        names=("_step_supports_amp_scaling",),
     ),
     Internal(
         "torch.utils._python_dispatch.TorchDispatchMode",

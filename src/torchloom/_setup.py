@@ -103,6 +103,7 @@ def prepare_run(
                 "each epoch"
             )
         optimizer, scheduler = _configure_optimizers(task, model, relay, accelerator)
+        check_loss_scaling(optimizer, accelerator)
         model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
         _seed_sampler(train_dl, config.seed)
         # The scheduler is stepped by the default step once per real optimizer step, so it is not prepared
@@ -200,6 +201,27 @@ def engine_relay(plugins: list[Any], default_step: Any, metrics_file: Any) -> Ho
     """The enabled plugins in the user's order, then the engine's own implementations (the default step, the
     ``metrics.jsonl`` writer), registered as every run registers them."""
     return HookRelay([*plugins, default_step, metrics_file])
+
+
+def check_loss_scaling(optimizer: Any, accelerator: Any) -> None:
+    """Refuse fp16 loss scaling with an optimizer that applies the scaler inside its own ``step()``.
+
+    torch's fused optimizers (``AdamW(fused=True)``: ``_step_supports_amp_scaling``) take the scaler's overflow flag
+    into their kernel and skip the update there, but ``step()`` is still called; Accelerate tells a skipped step by
+    whether ``step()`` was called (``AcceleratedOptimizer.step_was_skipped``), so the engine would step the
+    learning-rate schedule and count the step as if the update had happened.
+
+    Raises:
+        ConfigError: ``accelerator`` has a loss scaler (``mixed_precision: fp16``) and ``optimizer`` is fused.
+    """
+    if getattr(accelerator, "scaler", None) is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return
+    raise ConfigError(
+        f"mixed_precision fp16 with a fused {type(optimizer).__name__} (fused=True): a fused optimizer skips a step "
+        "with an fp16 overflow inside its own step(), which Accelerate cannot see, so the learning-rate schedule and "
+        "the step counts would go on as if it had stepped; build it with fused=False (foreach: the optimizer "
+        "plugin's adamw under fp16, or implementation: foreach), or use bf16"
+    )
 
 
 def log_data_values(datamodule: Any, logs: Any) -> None:
