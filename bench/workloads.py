@@ -181,7 +181,8 @@ TORCHLOOM_PLUGINS: dict[str, dict[str, dict[str, Any]]] = {
 NOOP_SETTINGS: dict[str, dict[str, Any]] = {
     "grad_accum": {"steps": 1},
     "mixed_precision": {"dtype": "no"},
-    "optimizer": {"name": "adamw", "lr": LR},  # the same AdamW as the task's own (weight decay 0: one group)
+    # the same AdamW as the task's own (weight decay 0: one group; torch's default on a CPU, the for-loop)
+    "optimizer": {"name": "adamw", "lr": LR, "implementation": "for_loop"},
     "local_sgd": {"sync_every": 8},  # one process: LocalSGD does nothing (and warns once)
     "checkpoint": {"every_n_steps": None, "every_n_epochs": 1000, "save_on_interrupt": False},  # never saves
     "early_stopping": {"monitor": "train/loss", "patience": 1_000_000},  # never stops
