@@ -49,6 +49,21 @@ class SegmentSum(nn.Module):
         return _Out(logits)
 
 
+class Leaky(nn.Module):
+    """No config, no parameters: logits ``scale`` on each position's token (one-hot), plus ``leak`` wherever earlier
+    tokens of another sequence share the row (the row index is past the position id), in ``dtype``. Packed, the
+    second sequence's logits differ from its logits alone by exactly ``leak`` (values exact in ``dtype``)."""
+
+    def __init__(self, scale: float, leak: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.scale, self.leak, self.dtype = scale, leak, dtype
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> _Out:
+        logits = nn.functional.one_hot(input_ids, 8).to(self.dtype) * self.scale
+        foreign = torch.arange(input_ids.shape[1]) > position_ids  # earlier tokens of another sequence
+        return _Out(logits + (self.leak * foreign[..., None]).to(self.dtype))
+
+
 class SmallVocabulary(nn.Module):
     """An embedding of ``vocab_size`` tokens (its config says so), looked up per position: an id at or above it is
     an IndexError."""
@@ -86,6 +101,24 @@ def test_a_model_without_config_or_parameters_that_mixes_sequences_is_refused_na
 
 def test_a_model_that_finds_sequences_where_positions_restart_at_zero_passes() -> None:
     check_packed_attention(SegmentSum())
+
+
+@pytest.mark.parametrize(("leak", "refused"), [(0.0, False), (5e-5, False), (3e-4, True)])
+def test_in_32_bit_packed_logits_may_differ_by_1e_4(leak, refused) -> None:
+    model = Leaky(1.0, leak, torch.float32)
+    if refused:
+        with pytest.raises(ConfigError, match=r"differ from its logits alone by 0\.0003\b"):
+            check_packed_attention(model)
+    else:
+        check_packed_attention(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_in_16_bit_packed_logits_may_differ_by_2_percent_of_one_plus_the_largest_logit(dtype) -> None:
+    # the largest logit alone is 49: the tolerance is 0.02 * (1 + 49) = 1.0, a difference of exactly 1.0 passes
+    check_packed_attention(Leaky(49.0, 1.0, dtype))
+    with pytest.raises(ConfigError, match=r"differ from its logits alone by 1\.0[0-9]"):
+        check_packed_attention(Leaky(49.0, 1.0078125, dtype))  # exact in both dtypes where the logit is 0
 
 
 def test_a_config_without_vocab_size_probes_with_tokens_below_eight() -> None:
