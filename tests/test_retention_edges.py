@@ -122,3 +122,13 @@ def test_links_and_what_is_not_a_checkpoint_are_left_alone(tmp_path) -> None:
     assert (outside / MANIFEST).is_file() and (linked_checkpoint / MANIFEST).is_file()
     assert (out / "version_0" / "checkpoints" / "step-00000004").is_dir()
     assert prune_checkpoints(tmp_path / "missing", 1) == []
+
+
+def test_a_runs_checkpoints_folder_that_links_elsewhere_is_left_alone(tmp_path) -> None:
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    outside = [_checkpoint(elsewhere, 0, step) for step in (1, 2)]
+    _checkpoint(out, 0, 5)
+    (out / "version_1").mkdir()
+    (out / "version_1" / "checkpoints").symlink_to(elsewhere / "version_0" / "checkpoints", target_is_directory=True)
+    assert prune_checkpoints(out, 1) == []
+    assert all((p / MANIFEST).is_file() for p in outside)
