@@ -87,20 +87,20 @@ def test_fewer_records_than_counted_warn_only_when_asked(tmp_path) -> None:
 
 def test_write_resumed_then_read_chain(tmp_path) -> None:
     chain = ({"run_dir": "a", "checkpoint": "a/c", "global_step": 4},)
-    records = ({"step": 1, "epoch": 0, CARRIED_OVER: "a", "loss": math.inf},)
+    records = ({"step": 1, "epoch": 0, CARRIED_OVER: "a", "loss": math.inf}, {"step": 2, "epoch": 0, "x": 1})
     write_resumed(str(tmp_path), Resumed("a/c", 4, chain, records, samples=8, train_time_s=1.0, wall_time_s=2.0))
-    assert (
-        tmp_path / "metrics.jsonl"
-    ).read_text() == '{"step": 1, "epoch": 0, "carried_over_from": "a", "loss": "Infinity"}\n'
+    assert (tmp_path / "metrics.jsonl").read_text() == (
+        '{"step": 1, "epoch": 0, "carried_over_from": "a", "loss": "Infinity"}\n{"step": 2, "epoch": 0, "x": 1}\n'
+    )
     lineage = json.loads((tmp_path / "resumed_from.json").read_text())
     assert lineage == {
         "checkpoint": "a/c",
         "global_step": 4,
         "chain": list(chain),
-        "carried_over": {"records": 1, "samples": 8, "train_time_s": 1.0, "wall_time_s": 2.0},
+        "carried_over": {"records": 2, "samples": 8, "train_time_s": 1.0, "wall_time_s": 2.0},
     }
     assert read_chain(tmp_path) == list(chain)
-    with pytest.raises(RunFileError, match=r"^cannot write '.*metrics\.jsonl'"):
+    with pytest.raises(RunFileError, match=r"^cannot write '.*metrics\.jsonl': No such file or directory$"):
         write_resumed(str(tmp_path / "missing"), Resumed("x", 0))
 
 
@@ -114,3 +114,22 @@ def test_read_chain_is_none_for_a_run_that_did_not_resume_or_an_unreadable_file(
 def test_read_chain_keeps_only_the_mappings_of_the_chain(tmp_path) -> None:
     (tmp_path / "resumed_from.json").write_text('{"chain": [{"run_dir": "a"}, 3, "x"]}', encoding="utf-8")
     assert read_chain(str(tmp_path)) == [{"run_dir": "a"}]
+
+
+def test_the_warning_of_a_fit_resumed_outside_a_run_directory_points_at_the_caller_of_fit(tmp_path) -> None:
+    import shutil
+    import sys
+
+    from torchrun_util import MP_DIR
+
+    sys.path.insert(0, str(MP_DIR))
+    try:
+        import resume_fit
+    finally:
+        sys.path.remove(str(MP_DIR))
+    first = resume_fit.fit(resume_fit.ShuffleTask, tmp_path / "b", save_at=[7])
+    moved = shutil.copytree(first.checkpoint, tmp_path / "moved")
+    with pytest.warns(UserWarning, match="none of the 3 records") as caught:
+        resume_fit.fit(resume_fit.ShuffleTask, tmp_path / "c", ckpt_path=str(moved))
+    (warning,) = [w for w in caught if "none of the 3 records" in str(w.message)]
+    assert warning.filename == resume_fit.__file__  # the line that called Engine.fit

@@ -114,7 +114,7 @@ def read_resumed(checkpoint: str, manifest: Mapping[str, Any], warn: bool = True
         warnings.warn(
             f"resuming from {checkpoint!r}: {where}; the new run's metrics.jsonl carries over only those found",
             UserWarning,
-            stacklevel=5,  # read_resumed, FitLoop.resume, RunStarter.set_up, Engine.fit: the caller of fit
+            stacklevel=6,  # read_resumed, FitLoop.resume, RunStarter.set_up, Engine.fit, quiet_libraries: the caller
         )
     records: list[dict[str, Any]] = []
     for record in kept:
