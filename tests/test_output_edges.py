@@ -92,3 +92,18 @@ def test_datasets_bars_already_off_stay_off(plain) -> None:
         assert datasets.are_progress_bars_disabled()
     finally:
         datasets.enable_progress_bars()
+
+
+def test_hub_bars_the_user_turned_off_stay_off_and_transformers_bars_come_back(plain) -> None:
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging as hf_logging
+
+    hub.disable_progress_bars()
+    try:
+        assert hf_logging.is_progress_bar_enabled()
+        with quiet_libraries():
+            assert hub.are_progress_bars_disabled() and not hf_logging.is_progress_bar_enabled()
+        assert hub.are_progress_bars_disabled() and hf_logging.is_progress_bar_enabled()
+    finally:
+        hub.enable_progress_bars()
+        hf_logging.enable_progress_bar()
