@@ -382,22 +382,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     import importlib
     import time
 
-    import yaml
+    from example_config import read_config  # examples/example_config.py, next to this file
 
-    argv = sys.argv[1:] if argv is None else argv
-    config_path = Path(__file__).with_suffix(".yaml")
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        config_path, argv = Path(argv[0]), argv[1:]
-    config = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-    for item in argv:
-        key, sep, value = item.lstrip("-").partition("=")
-        if not sep:
-            raise SystemExit(f"fine_foods.py: override {item!r} is not of the form dotted.key=value")
-        node = config
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+    config = read_config(__file__, sys.argv[1:] if argv is None else argv)
 
     def build(section: dict[str, Any]) -> Any:
         module, _, name = section["class_path"].rpartition(".")

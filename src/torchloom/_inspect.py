@@ -25,7 +25,7 @@ from torchloom._export import (
     weight_files,
 )
 from torchloom._layout import CHECKPOINTS_DIR, MODEL_DIR, SUMMARY_FILE, is_run_dir, run_directories
-from torchloom._lineage import read_chain
+from torchloom._lineage import read_chain, read_records
 from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest
 from torchloom.errors import ConfigError
 
@@ -204,7 +204,7 @@ def _run(root: Path) -> dict[str, Any]:
         model_dir=str(model_dir) if is_exported_model(model_dir) else None,
         resumed_from=read_chain(root),
     )
-    records = _read_records(root / "metrics.jsonl")
+    records = read_records(root / "metrics.jsonl", ConfigError, "inspect: ")
     if records:
         info["global_step"], info["epoch"] = records[-1].get("step"), records[-1].get("epoch")
     summary = _read_json(root / SUMMARY_FILE)
@@ -234,23 +234,3 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"inspect: cannot read {str(path)!r}: {' '.join(str(exc).split())}") from None
     return value if isinstance(value, dict) else None
-
-
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of ``metrics.jsonl`` (a partial last line, left by a killed process, is skipped),
-    with the strings ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` read back as floats."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise ConfigError(f"inspect: cannot read {str(path)!r}: {exc.strerror or exc}") from None
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append({k: _strict_json.read_number(v) for k, v in record.items()})
-    return records

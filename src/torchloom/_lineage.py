@@ -30,9 +30,9 @@ from typing import Any
 from torchloom._atomic import write_atomically
 from torchloom._layout import CHECKPOINTS_DIR, RESUMED_FILE
 from torchloom._strict_json import json_dumps, read_number
-from torchloom.errors import RunFileError
+from torchloom.errors import RunFileError, TorchloomError
 
-__all__ = ["CARRIED_OVER", "Resumed", "read_chain", "read_resumed", "training_record", "write_resumed"]
+__all__ = ["CARRIED_OVER", "Resumed", "read_chain", "read_records", "read_resumed", "training_record", "write_resumed"]
 
 #: The key of a ``metrics.jsonl`` record carried over from an earlier run: that run's directory.
 CARRIED_OVER = "carried_over_from"
@@ -102,7 +102,7 @@ def read_resumed(checkpoint: str, manifest: Mapping[str, Any], warn: bool = True
     training = manifest.get("training") or {}
     run_dir = _run_dir_of(checkpoint)
     count = training.get("records")
-    found = _read_records(Path(run_dir) / "metrics.jsonl") if run_dir is not None else []
+    found = read_records(Path(run_dir) / "metrics.jsonl") if run_dir is not None else []
     kept = found[:count] if isinstance(count, int) else [r for r in found if r.get("step", step + 1) <= step]
     if warn and isinstance(count, int) and len(kept) < count:
         where = (
@@ -114,7 +114,7 @@ def read_resumed(checkpoint: str, manifest: Mapping[str, Any], warn: bool = True
         warnings.warn(
             f"resuming from {checkpoint!r}: {where}; the new run's metrics.jsonl carries over only those found",
             UserWarning,
-            stacklevel=5,  # read_resumed, FitLoop.resume, RunStarter.set_up, Engine.fit: the caller of fit
+            stacklevel=6,  # read_resumed, FitLoop.resume, RunStarter.set_up, Engine.fit, quiet_libraries: the caller
         )
     records: list[dict[str, Any]] = []
     for record in kept:
@@ -181,15 +181,21 @@ def _run_dir_of(checkpoint: str) -> str | None:
     return os.path.dirname(parent) if os.path.basename(parent) == CHECKPOINTS_DIR else None
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of a ``metrics.jsonl`` (a partial last line is skipped), non-finite values read
-    back as floats; none when the file is missing."""
+def read_records(path: Path, error: type[TorchloomError] = RunFileError, prefix: str = "") -> list[dict[str, Any]]:
+    """The complete JSON lines of a run's ``metrics.jsonl`` (a partial last line, left by a killed process, is
+    skipped), the strings ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"`` read back as floats; none when the file is
+    missing. The one reader of the file for resuming (`read_resumed`) and for ``torchloom inspect``.
+
+    Raises:
+        error: the file exists but cannot be read (``RunFileError`` by default; ``inspect`` passes `ConfigError`),
+            its message ``prefix`` + ``cannot read '<path>': <reason>``.
+    """
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise RunFileError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from exc
+        raise error(f"{prefix}cannot read {str(path)!r}: {exc.strerror or exc}") from exc
     records = []
     for line in lines:
         try:
