@@ -133,7 +133,7 @@ def test_the_warning_of_a_fit_resumed_outside_a_run_directory_points_at_the_call
         sys.path.remove(str(MP_DIR))
     first = resume_fit.fit(resume_fit.ShuffleTask, tmp_path / "b", save_at=[7])
     moved = shutil.copytree(first.checkpoint, tmp_path / "moved")
-    with pytest.warns(UserWarning, match="none of the 3 records") as caught:
+    with pytest.warns(UserWarning, match="none of the 4 records") as caught:
         resume_fit.fit(resume_fit.ShuffleTask, tmp_path / "c", ckpt_path=str(moved))
-    (warning,) = [w for w in caught if "none of the 3 records" in str(w.message)]
+    (warning,) = [w for w in caught if "none of the 4 records" in str(w.message)]
     assert warning.filename == resume_fit.__file__  # the line that called Engine.fit

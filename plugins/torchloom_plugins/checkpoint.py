@@ -41,7 +41,6 @@ import math
 import os
 import signal
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,15 +208,13 @@ class Checkpoint(torchloom.Plugin):
             return
         saves = [step for step, _ in monitor.uses]
         if saves and not any(fresh for _, fresh in monitor.uses):
-            warnings.warn(
+            torchloom.warn(
                 f"checkpoint: monitor {monitor.name!r} was logged at {monitor.describe_steps(monitor.steps)}, but "
                 f"none of the {len(saves)} checkpoints of this fit (at {monitor.describe_steps(saves)}) was saved at "
                 "a step where it was logged: each one's score is a value of earlier weights, or none, and keep_best "
                 f"ranks them by it. Save where {monitor.name!r} is logged: every_n_steps a multiple of "
                 "val_check_interval (or of log_every_n_steps for a training value), or every_n_epochs with "
                 "validation at the end of each epoch",
-                UserWarning,
-                stacklevel=2,
             )
 
     @torchloom.hookimpl

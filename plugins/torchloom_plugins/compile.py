@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import time
 import types
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,13 +218,11 @@ class Compile(torchloom.Plugin):
         if self.recompiles > self.config.recompile_warn_threshold and not self._warned:
             self._warned = True
             reason = last_recompile_reason()
-            warnings.warn(
+            torchloom.warn(
                 f"compile: {self.recompiles} graphs were recompiled after the first step (threshold "
                 f"{self.config.recompile_warn_threshold}; last reason: {reason or 'not recorded'}): the inputs keep "
                 "changing shape (or dtype), typically a "
                 "new sequence length per batch under dynamic padding; each new shape costs a compilation, and "
                 "past torch._dynamo.config.recompile_limit the model silently runs eagerly. Set dynamic: true, "
                 "or pad batches to a few length buckets",
-                UserWarning,
-                stacklevel=2,
             )

@@ -38,7 +38,6 @@ default validation at the end of each epoch.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,12 +226,10 @@ class EarlyStopping(torchloom.Plugin):
             done = f"{n} time{'s' if n != 1 else ''} while training, at {monitor.describe_steps(checks)}"
         else:
             done = f"0 times while training (it was logged only after training, at {logged})"
-        warnings.warn(
+        torchloom.warn(
             f"early_stopping: monitor {cfg.monitor!r} was checked {done}; with patience {cfg.patience} a stop needs "
             f"{self._needed} checks while training, so patience could never stop this fit. Log {cfg.monitor!r} "
             "more often (engine settings val_check_interval, log_every_n_steps) or lower patience",
-            UserWarning,
-            stacklevel=2,
         )
 
     # -------------------------------------------------------------------------------------- the check

@@ -40,7 +40,6 @@ Functional use, without the engine::
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -262,12 +261,10 @@ class GradientAccumulation(torchloom.Plugin):
             return
         self._warned_short_epoch = True
         if accelerator.is_local_main_process:
-            warnings.warn(
+            torchloom.warn(
                 f"grad_accum: an epoch has only {epoch_micro_batches} micro-batches, fewer than steps="
                 f"{self.config.steps}; each epoch's window is flushed at the end of the epoch with "
                 f"{epoch_micro_batches} micro-batches (gradients scaled by its real size), so every optimizer "
                 f"step accumulates {epoch_micro_batches}, not {self.config.steps}. Use more data per epoch or "
                 "a smaller 'steps'.",
-                UserWarning,
-                stacklevel=2,
             )

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,12 +137,10 @@ class LocalSGDPlugin(torchloom.Plugin):
         except NotImplementedError as exc:
             raise PluginError(f"local_sgd: {exc} (this run: {accelerator.distributed_type})") from None
         if not local_sgd.enabled:
-            warnings.warn(
+            torchloom.warn(
                 f"local_sgd: the run has {accelerator.num_processes} process and no data parallelism "
                 f"({accelerator.distributed_type}); LocalSGD does nothing. Launch with several processes "
                 "(torchrun --nproc_per_node N) to use it",
-                UserWarning,
-                stacklevel=2,
             )
         local_sgd.num_steps = self._num_steps
         self.num_averages = 0

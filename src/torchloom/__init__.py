@@ -60,6 +60,7 @@ _EXPORTS = {
     "request_stop": "torchloom._context",
     "save_checkpoint": "torchloom._context",
     "save_plugin_state": "torchloom.state",
+    "warn": "torchloom._warn",
     "write_atomically": "torchloom._atomic",
 }
 
@@ -108,6 +109,7 @@ __all__ = [
     "request_stop",
     "save_checkpoint",
     "save_plugin_state",
+    "warn",
     "write_atomically",
 ]
 
@@ -141,6 +143,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._retention import prune_checkpoints
     from torchloom._strict_json import json_dumps
     from torchloom._suggest import closest_name
+    from torchloom._warn import warn
     from torchloom.checkpoint import delete_checkpoint
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule

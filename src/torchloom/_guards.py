@@ -7,13 +7,13 @@ return, whether the ranks iterate the same number of batches, and whether the tr
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from torchloom._warn import warn
 from torchloom.errors import ConfigError, PluginError, TaskError
 
 __all__ = [
@@ -185,13 +185,11 @@ def check_optimizer_parameters(
             "so the model would never change. Build the optimizer from self.model.parameters() in "
             "configure_optimizers"
         )
-    warnings.warn(
+    warn(
         f"{source}: {len(foreign)} of the optimizer's {len(params)} parameters "
         f"{'is not a parameter' if len(foreign) == 1 else 'are not parameters'} of the model: {listing}. They are "
         "stepped, but not saved with the model, and on several processes their gradients are not averaged. Put them "
         "in the module configure_model returns (as submodules or nn.Parameter attributes)",
-        UserWarning,
-        stacklevel=3,
     )
 
 

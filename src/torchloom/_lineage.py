@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 from torchloom._atomic import write_atomically
 from torchloom._layout import CHECKPOINTS_DIR, RESUMED_FILE
 from torchloom._strict_json import json_dumps, read_number
+from torchloom._warn import warn as warn_at_caller
 from torchloom.errors import RunFileError, TorchloomError
 
 __all__ = ["CARRIED_OVER", "Resumed", "read_chain", "read_records", "read_resumed", "training_record", "write_resumed"]
@@ -111,10 +111,8 @@ def read_resumed(checkpoint: str, manifest: Mapping[str, Any], warn: bool = True
             else f"it is not in a run directory (<run_dir>/{CHECKPOINTS_DIR}/<name>), so none of the {count} "
             "records written up to it can be read"
         )
-        warnings.warn(
+        warn_at_caller(
             f"resuming from {checkpoint!r}: {where}; the new run's metrics.jsonl carries over only those found",
-            UserWarning,
-            stacklevel=6,  # read_resumed, FitLoop.resume, RunStarter.set_up, Engine.fit, quiet_libraries: the caller
         )
     records: list[dict[str, Any]] = []
     for record in kept:

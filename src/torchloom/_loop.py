@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +28,7 @@ from torchloom._logbuffer import WEIGHT_PREFIX
 from torchloom._random_states import set_random_states
 from torchloom._runfiles import finish_fit
 from torchloom._setup import log_data_values, sanity_check
+from torchloom._warn import warn
 from torchloom.checkpoint import load_checkpoint, write_checkpoint
 from torchloom.errors import ConfigError, RunFileError
 from torchloom.step import StepHooks
@@ -228,11 +228,9 @@ class FitLoop:
         if outcome.nonfinite_skips:
             state.skipped_steps += outcome.nonfinite_skips
             if self.run.accelerator.is_main_process:
-                warnings.warn(
+                warn(
                     f"nonfinite_loss='skip': skipped optimizer step {state.global_step + 1} (epoch {state.epoch}): "
                     f"the loss was not finite; {state.skipped_steps} step(s) skipped in this fit",
-                    UserWarning,
-                    stacklevel=2,
                 )
 
     def _step_boundary(self) -> bool:
@@ -388,10 +386,8 @@ class FitLoop:
             data=order,
         )
         if reset_optimizer and run.accelerator.is_main_process:
-            warnings.warn(
+            warn(
                 f"resuming from {path!r} with reset_optimizer=True: the optimizer starts with fresh state",
-                UserWarning,
-                stacklevel=4,
             )
         self.state.load_state_dict(saved)
         self.logs.train.load_state_dict(saved["log_buffer"], run.accelerator.device)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 from torchloom._suggest import closest_name
+from torchloom._warn import warn
 from torchloom.errors import ConfigError
 
 __all__ = ["HIGHER_IS_BETTER", "LOWER_IS_BETTER", "NO_BEST", "Monitor"]
@@ -126,12 +126,10 @@ class Monitor:
         expected = Monitor.direction(name, default=None)
         if expected is not None and expected != mode:
             reads = "lower-is-better (a loss or an error)" if expected == "min" else "higher-is-better (a score)"
-            warnings.warn(
+            warn(
                 f"{plugin}: mode {mode!r} with {setting} {name!r}, a name that reads as {reads}: the "
                 f"{'highest' if mode == 'max' else 'lowest'} value will count as the best. Set mode to {expected!r}, "
                 f"or keep {mode!r} if {'higher' if mode == 'max' else 'lower'} is better for this value",
-                UserWarning,
-                stacklevel=3,
             )
 
     # ------------------------------------------------------------------------------------------------ a fit
@@ -244,11 +242,9 @@ class Monitor:
         logged = sorted(self.logged)
         close = closest_name(self.name, logged)
         hint = f"; did you mean {close!r}?" if close else "."
-        warnings.warn(
+        warn(
             f"{self.plugin}: {self.setting} {self.name!r} was never logged during this fit, so {consequence}{hint} "
             f"Logged names: {', '.join(map(repr, logged)) or 'none'}. Log it (self.log({self.name!r}, ...) in "
             f"validation_step) or set {self.setting!r} to one of these",
-            UserWarning,
-            stacklevel=2,
         )
         return True
