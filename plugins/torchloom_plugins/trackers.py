@@ -149,9 +149,7 @@ class Trackers(torchloom.Plugin):
         self._off = bool(getattr(config, "is_fast_dev_run", False))
 
     @torchloom.hookimpl
-    def configure_accelerator(self) -> dict[str, Any] | None:
-        if self._off:
-            return None
+    def configure_accelerator(self) -> dict[str, Any]:
         return {"log_with": list(self.config.log_with)}
 
     @torchloom.hookimpl
