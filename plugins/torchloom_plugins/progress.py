@@ -31,7 +31,7 @@ Method card
   ``on_validation_start`` / ``on_validation_end``, ``on_log`` (the loss, the validation line, last and best
   values), ``on_train_end`` (the training clock stops; the bar's last frame stays), ``on_exception``,
   ``on_fit_end`` (the table and ``summary.json``, only when the fit completed; after a ``fast_dev_run``, announced
-  at ``on_fit_start``, one line instead and no ``summary.json``), ``on_predict_start`` /
+  at the first ``on_train_epoch_start``, one line instead and no ``summary.json``), ``on_predict_start`` /
   ``on_predict_batch_end`` / ``on_predict_end`` (a batch counter, terminal only) and ``teardown`` (the
   ``validate`` summary; stops a bar that is still running).
 - **Best values:** the smallest value for names that read as an error (a part ``loss``, ``error``,
@@ -267,12 +267,6 @@ class ProgressBar(torchloom.Plugin):
         for step, _, values in resumed.logged() if resumed is not None else ():  # the earlier runs' values
             self._track(values, step)
         self._total = task.num_training_steps
-        if self._fast_dev_run is not None:
-            n = self._fast_dev_run
-            self._say(
-                f"fast_dev_run: {n} training and {n} validation batch{'es' if n != 1 else ''} per process, one epoch; "
-                "no sanity pass, no checkpoints, no trackers, no saved model"
-            )
         if self._bar_mode:
             self._start_bar(
                 rich_progress.TextColumn("{task.description}"),
@@ -293,6 +287,12 @@ class ProgressBar(torchloom.Plugin):
             return
         if self._train_start is None:  # after the sanity check: the training clock starts here
             self._train_start = time.perf_counter()
+            if self._fast_dev_run is not None:  # after the command's own first line (the run directory)
+                n = self._fast_dev_run
+                self._say(
+                    f"fast_dev_run: {n} training and {n} validation batch{'es' if n != 1 else ''} per process, one "
+                    "epoch; no sanity pass, no checkpoints, no trackers, no saved model"
+                )
         self._epoch = progress.epoch
         self._describe()
 
@@ -576,9 +576,10 @@ def _fast_dev_run_line(summary: dict[str, Any], batches: int) -> str:
     """The one-line summary of a ``fast_dev_run``: what ran, the last values, the time, and what was not saved."""
     steps = summary["optimizer_steps"]
     values = ", ".join(f"{name} {_short(m['last'])}" for name, m in sorted(summary["metrics"].items()))
+    wall = _seconds(summary["wall_time_s"])
     return (
         f"fast_dev_run passed ({batches} batch{'es' if batches != 1 else ''}): {steps} optimizer "
-        f"step{'s' if steps != 1 else ''}{', ' + values if values else ''}; {_seconds(summary['wall_time_s'])} s; "
+        f"step{'s' if steps != 1 else ''}{', ' + values if values else ''}; wall time {wall} s; "
         f"nothing saved; run directory: {summary['run_dir']}"
     )
 

@@ -64,10 +64,10 @@ class EngineConfig:
             combined with ``max_steps``, ``limit_train_batches``, ``limit_val_batches`` or ``overfit_batches``.
             ``validate`` runs N validation batches too.
         limit_train_batches (`int` or `float`, *optional*): train on only this many batches of every epoch, per
-            process (an integer >= 1), or this fraction of them (a float in (0, 1], rounded down, at least one
-            batch): the same count on every process. The schedule length (``num_training_steps``), the progress
-            total and the data position a checkpoint records count the limited epochs, so a resume is exact.
-            ``None``: every batch.
+            process (an integer >= 1), or this fraction of them (a float in (0, 1], rounded down; one that leaves
+            no batch is a `ConfigError`): the same count on every process. The schedule length
+            (``num_training_steps``), the progress total and the data position a checkpoint records count the
+            limited epochs, so a resume is exact. ``None``: every batch.
         limit_val_batches (`int` or `float`, *optional*): validate on only this many batches per process (an
             integer >= 1), or this fraction of them (a float in (0, 1]), in every validation pass of ``fit`` and
             ``validate``. ``None``: every batch.

@@ -30,6 +30,7 @@ def main(out: Path) -> None:
         )
         task = TinyTask(n=32, batch_size=4)
         engine.fit(task)
+        task.accelerator.wait_for_everyone()  # the main process has released the run directory (its in-use mark)
         passes, current = [], 0
         for hook in recorder.calls:
             if hook == "on_validation_start":
