@@ -162,6 +162,31 @@ def test_a_limited_fit_resumes_exactly(tmp_path, stop, k) -> None:
     assert position["epoch_finished"] == (stop == "epoch")
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """TinyTask's 32 training samples as a stream without a length."""
+
+    def __iter__(self):
+        x, y = tiny_dataset(32, 4, 0).tensors
+        return iter(zip(x, y, strict=True))
+
+
+class StreamTask(CountingTask):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Stream(), batch_size=self.batch_size)
+
+
+def test_a_count_limits_a_stream_without_a_length_and_a_fraction_is_refused(tmp_path) -> None:
+    engine, task, recorder = run(StreamTask(), limit_train_batches=3, max_epochs=2, output_dir=str(tmp_path / "a"))
+    assert train_batches(recorder) == every(2, 3)
+    assert task.num_training_steps == engine.progress.global_step == 6  # without a length: the limit's count
+    with pytest.raises(
+        torchloom.ConfigError,
+        match=r"engine: setting 'limit_train_batches' = 0.5: a fraction of the training batches needs a training "
+        r"dataloader with a length \(this one is an iterable dataset without one\); expected an integer number",
+    ):
+        run(StreamTask(), limit_train_batches=0.5, output_dir=str(tmp_path / "b"))
+
+
 # --------------------------------------------------------------------------------------- limit_val_batches
 
 
