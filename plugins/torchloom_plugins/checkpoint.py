@@ -11,9 +11,10 @@ Method card
   ``output_dir``; on SIGTERM (what SLURM and Kubernetes send before they stop a job) or Ctrl-C, save at the
   next optimizer-step boundary on every process and stop with `torchloom.TrainingInterrupted`, which the
   ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues.
-- **Hooks:** ``on_run_start`` notes the ``output_dir``; ``on_fit_start`` notes the checkpoint a resumed fit
-  continues (never deleted while it runs) and installs the signal handlers (main thread); ``on_log`` records the
-  monitored value;
+- **Hooks:** ``setup`` notes a ``fast_dev_run`` (the engine's ``config.is_fast_dev_run``), in which the plugin
+  saves nothing and installs no signal handler; ``on_run_start`` notes the ``output_dir``; ``on_fit_start`` notes
+  the checkpoint a resumed fit continues (never deleted while it runs) and installs the signal handlers (main
+  thread); ``on_log`` records the monitored value;
   ``on_train_step_end`` saves on the step schedule and acts on an interrupt; ``on_train_epoch_end`` saves on the
   epoch schedule; ``on_train_end`` marks the fit completed and ``on_fit_end`` warns (main process) when
   ``monitor`` was never logged or no save came at a step where it was logged (`torchloom.Monitor`, which also
@@ -145,10 +146,15 @@ class Checkpoint(torchloom.Plugin):
         self._signal: int | None = None  # the first signal received in this fit
         self._previous_handlers: dict[int, Any] = {}
         self._pending: Any = None  # the interrupt flag's agreement started at the last step (several processes)
+        self._off = False  # a fast_dev_run (the engine's is_fast_dev_run, at setup): nothing is saved
         if self.config.every_n_steps is None and not self.config.save_on_interrupt:  # saves at epoch ends only
             self.inactive_hooks = frozenset({"on_train_step_end"})
 
     # ----------------------------------------------------------------------------------------------- fit
+
+    @torchloom.hookimpl
+    def setup(self, config) -> None:
+        self._off = bool(getattr(config, "is_fast_dev_run", False))
 
     @torchloom.hookimpl
     def on_run_start(self, run_dir: str) -> None:
@@ -161,7 +167,7 @@ class Checkpoint(torchloom.Plugin):
         self._completed = False
         if self._monitor is not None:
             self._monitor.start()
-        if not self.config.save_on_interrupt:
+        if self._off or not self.config.save_on_interrupt:  # a fast_dev_run: Ctrl-C stops it as any program
             return
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread
             for number in SIGNALS:
@@ -182,6 +188,8 @@ class Checkpoint(torchloom.Plugin):
 
     @torchloom.hookimpl
     def on_train_step_end(self, accelerator, progress) -> None:
+        if self._off:
+            return
         interrupted = self._interrupt(accelerator)
         steps = self.config.every_n_steps
         if interrupted is not None or (steps is not None and progress.global_step % steps == 0):
@@ -192,7 +200,7 @@ class Checkpoint(torchloom.Plugin):
     @torchloom.hookimpl
     def on_train_epoch_end(self, accelerator, progress) -> None:
         epochs = self.config.every_n_epochs
-        if epochs is not None and (progress.epoch + 1) % epochs == 0:
+        if not self._off and epochs is not None and (progress.epoch + 1) % epochs == 0:
             self._save(accelerator, progress.global_step)
 
     @torchloom.hookimpl
@@ -202,7 +210,7 @@ class Checkpoint(torchloom.Plugin):
     @torchloom.hookimpl
     def on_fit_end(self, accelerator) -> None:
         monitor, completed, self._completed = self._monitor, self._completed, False
-        if monitor is None or not completed or not accelerator.is_main_process:
+        if monitor is None or not completed or self._off or not accelerator.is_main_process:
             return
         if monitor.warn_if_never_logged("no checkpoint was ranked by it and none was kept as the best"):
             return

@@ -30,7 +30,8 @@ Method card
   a resumed fit continues; the bar starts), ``on_train_epoch_start``, ``on_train_batch_end`` (samples, steps),
   ``on_validation_start`` / ``on_validation_end``, ``on_log`` (the loss, the validation line, last and best
   values), ``on_train_end`` (the training clock stops; the bar's last frame stays), ``on_exception``,
-  ``on_fit_end`` (the table and ``summary.json``, only when the fit completed), ``on_predict_start`` /
+  ``on_fit_end`` (the table and ``summary.json``, only when the fit completed; after a ``fast_dev_run``, announced
+  at the first ``on_train_epoch_start``, one line instead and no ``summary.json``), ``on_predict_start`` /
   ``on_predict_batch_end`` / ``on_predict_end`` (a batch counter, terminal only) and ``teardown`` (the
   ``validate`` summary; stops a bar that is still running).
 - **Best values:** the smallest value for names that read as an error (a part ``loss``, ``error``,
@@ -216,6 +217,7 @@ class ProgressBar(torchloom.Plugin):
         self._stage = stage
         self._max_epochs = getattr(config, "max_epochs", None)
         self._save_model = bool(getattr(config, "save_model", False))
+        self._fast_dev_run: int | None = getattr(config, "fast_dev_run_batches", None)  # a quick-debug fit's batches
         self._active = False  # this process displays (main process, enabled): known at on_run_start
         self._bar_mode = False
         self._bar: rich_progress.Progress | None = None
@@ -285,6 +287,12 @@ class ProgressBar(torchloom.Plugin):
             return
         if self._train_start is None:  # after the sanity check: the training clock starts here
             self._train_start = time.perf_counter()
+            if self._fast_dev_run is not None:  # after the command's own first line (the run directory)
+                n = self._fast_dev_run
+                self._say(
+                    f"fast_dev_run: {n} training and {n} validation batch{'es' if n != 1 else ''} per process, one "
+                    "epoch; no sanity pass, no checkpoints, no trackers, no saved model"
+                )
         self._epoch = progress.epoch
         self._describe()
 
@@ -360,7 +368,12 @@ class ProgressBar(torchloom.Plugin):
         if not self._active or self._failed:
             return
         self._flush_pending()
-        self._finish(self._fit_summary(progress))
+        summary = self._fit_summary(progress)
+        if self._fast_dev_run is not None:  # one line, no table, no summary.json: a check, not a result
+            self.summary = summary
+            self._say(_fast_dev_run_line(summary, self._fast_dev_run))
+            return
+        self._finish(summary)
 
     # ------------------------------------------------------------------------------------ predict
 
@@ -557,6 +570,18 @@ class _RateColumn(rich_progress.ProgressColumn):
     def render(self, task: rich_progress.Task) -> Text:
         speed = task.finished_speed or task.speed
         return Text(f"- {self.unit}/s" if speed is None else f"{_rate(speed)} {self.unit}/s")
+
+
+def _fast_dev_run_line(summary: dict[str, Any], batches: int) -> str:
+    """The one-line summary of a ``fast_dev_run``: what ran, the last values, the time, and what was not saved."""
+    steps = summary["optimizer_steps"]
+    values = ", ".join(f"{name} {_short(m['last'])}" for name, m in sorted(summary["metrics"].items()))
+    wall = _seconds(summary["wall_time_s"])
+    return (
+        f"fast_dev_run passed ({batches} batch{'es' if batches != 1 else ''}): {steps} optimizer "
+        f"step{'s' if steps != 1 else ''}{', ' + values if values else ''}; wall time {wall} s; "
+        f"nothing saved; run directory: {summary['run_dir']}"
+    )
 
 
 def _counts(steps: int, samples: int | None, train_time: float, wall_time: float) -> dict[str, Any]:

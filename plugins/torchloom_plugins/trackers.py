@@ -16,6 +16,8 @@ Method card
 - **Where:** the engine points ``accelerator.logging_dir`` at the run directory, so TensorBoard writes
   ``<run_dir>/<project_name>/events.out.tfevents.*`` and Aim its repository in ``<run_dir>``. Trackers that log to a
   service start offline, writing inside the run directory, unless the user chose otherwise (`tracker_init_kwargs`).
+- **Quick-debug runs:** under the engine's ``fast_dev_run`` (``config.is_fast_dev_run``, read at ``setup``) no
+  tracker is started and nothing is written to one.
 - **Stages:** ``fit`` and ``validate`` start trackers, each call in its own run directory; ``predict`` logs nothing
   and starts none.
 - **Processes:** only the main process starts trackers, so only it writes. Accelerate's ``init_trackers`` and
@@ -122,8 +124,8 @@ class TrackersConfig:
 class Trackers(torchloom.Plugin):
     """Write every logged value and the run's configuration to Accelerate's experiment trackers.
 
-    Implements ``configure_accelerator``, ``on_run_start``, ``on_fit_start``, ``on_log`` and ``teardown``. See the
-    module docstring and ``docs/plugins/trackers.md``.
+    Implements ``setup``, ``configure_accelerator``, ``on_run_start``, ``on_fit_start``, ``on_log`` and
+    ``teardown``. See the module docstring and ``docs/plugins/trackers.md``.
 
     Example:
 
@@ -140,6 +142,11 @@ class Trackers(torchloom.Plugin):
         super().__init__(config, **settings)
         self._accelerator: Any = None  # the Accelerator whose trackers this plugin started (main process)
         self._first = 0  # index of the first of them in accelerator.trackers
+        self._off = False  # a fast_dev_run (the engine's is_fast_dev_run, at setup): no tracker starts
+
+    @torchloom.hookimpl
+    def setup(self, config) -> None:
+        self._off = bool(getattr(config, "is_fast_dev_run", False))
 
     @torchloom.hookimpl
     def configure_accelerator(self) -> dict[str, Any]:
@@ -147,7 +154,7 @@ class Trackers(torchloom.Plugin):
 
     @torchloom.hookimpl
     def on_run_start(self, accelerator, stage: str, run_dir: str, run_config: Mapping[str, Any]) -> None:
-        if stage not in STAGES or not accelerator.is_main_process:
+        if self._off or stage not in STAGES or not accelerator.is_main_process:
             return
         environ = os.environ
         init_kwargs = tracker_init_kwargs(self.config.log_with, self.config.init_kwargs, run_dir, environ)

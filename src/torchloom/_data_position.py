@@ -38,7 +38,8 @@ class DataOrder:
         dataset_length (`int` or ``None``): samples in the dataset (``None``: an iterable dataset without a length).
         total_batch_size (`int` or ``None``): samples per batch over all processes (``None``: a batch sampler
             without a fixed size).
-        batches_per_epoch (`int` or ``None``): batches per epoch on each process.
+        batches_per_epoch (`int` or ``None``): batches per epoch on each process (under a batch limit, the
+            batches the limit leaves: a limited epoch ends there).
         world_size (`int`): processes.
         sampler (`str`): the sampler's class (``RandomSampler`` shuffles, ``SequentialSampler`` does not).
         sampler_seed (`int` or ``None``): the seed the sampler draws each epoch's permutation from (``seed +
@@ -57,15 +58,17 @@ class DataOrder:
     sampler_order: dict[str, Any] | None = None
 
 
-def data_order(loader: Any, world_size: int) -> DataOrder:
-    """The `DataOrder` of a prepared training dataloader (an Accelerate ``DataLoaderShard``, or any DataLoader)."""
+def data_order(loader: Any, world_size: int, limit: int | None = None) -> DataOrder:
+    """The `DataOrder` of a prepared training dataloader (an Accelerate ``DataLoaderShard``, or any DataLoader);
+    ``limit``: the batches per epoch and process a batch limit leaves (``limit_train_batches``,
+    ``overfit_batches``, ``fast_dev_run``), which ``batches_per_epoch`` then records: the epoch the fit trains."""
     sampler = get_sampler(loader)
     seed = getattr(sampler, "initial_seed", None)
     settings = sampler.order_settings() if callable(getattr(sampler, "order_settings", None)) else None
     return DataOrder(
         dataset_length=_length(getattr(loader, "dataset", None)),
         total_batch_size=_total_batch_size(loader, world_size),
-        batches_per_epoch=_length(loader),
+        batches_per_epoch=_limited_length(_length(loader), limit),
         world_size=world_size,
         sampler=type(sampler).__name__,
         sampler_seed=seed if isinstance(seed, int) else None,
@@ -172,6 +175,12 @@ def _epoch_done(saved: dict[str, Any]) -> bool:
     """Every sample of the epoch was consumed (a step checkpoint after its last batch)."""
     length, samples = (saved.get("order") or {}).get("dataset_length"), saved.get("samples_done")
     return length is not None and samples is not None and samples >= length
+
+
+def _limited_length(length: int | None, limit: int | None) -> int | None:
+    if limit is None:
+        return length
+    return limit if length is None else min(length, limit)
 
 
 def _length(obj: Any) -> int | None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from torchloom._batch_limits import limited
 from torchloom._guards import check_same_length, eval_mode
 from torchloom._padding import batch_size, real_rows, real_rows_in_metrics, take_rows
 
@@ -19,7 +20,9 @@ __all__ = ["prediction_pass", "validation_pass"]
 
 def validation_pass(task: Any, run: Any, logs: Any, progress: Any) -> None:
     """Run ``validation_step`` over the run's validation data with the validation hooks; what is logged goes to
-    ``logs.val`` (the caller reduces it). Every module gets its own train / eval mode back afterwards.
+    ``logs.val`` (the caller reduces it). Every module gets its own train / eval mode back afterwards. Under a
+    validation limit (``limit_val_batches``, ``fast_dev_run``, ``overfit_batches``) only the first
+    ``run.val_batches`` batches run, on every process.
 
     Raises:
         TaskError: the processes have different numbers of validation batches.
@@ -30,7 +33,7 @@ def validation_pass(task: Any, run: Any, logs: Any, progress: Any) -> None:
     with eval_mode(model), logs.validating():
         relay.call("on_validation_start", task=task, model=model, accelerator=acc, progress=progress)
         with torch.no_grad():
-            for batch_idx, batch in enumerate(loader):
+            for batch_idx, batch in enumerate(limited(loader, run.val_batches)):
                 rows = real_rows(loader, acc)  # Accelerate's padding copies are cut off: each sample counts once
                 size = batch_size(batch) if rows is not None else None
                 if rows is None or size is None or rows == size:

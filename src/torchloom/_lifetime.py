@@ -45,7 +45,7 @@ class RunStarter:
         (``validate`` / ``predict`` of the same task without a datamodule). A failure after ``setup`` removes the
         run directory and fires ``teardown`` before it propagates."""
         engine, run = self._engine, self.run
-        cfg = engine.config
+        cfg = engine.config.for_run()  # a fast_dev_run's one epoch, no sanity pass, no saved model
         self._threads_before = apply_num_threads(cfg.num_threads)  # before anything is built; undone by end()
         if stage == "fit" or run is None or getattr(task, "model", None) is not run.model or datamodule is not None:
             run, relay = None, engine_relay(engine.plugins, DefaultTrainStep(), self._metrics_file)
@@ -62,7 +62,7 @@ class RunStarter:
             project = accelerator.project_configuration  # Accelerate's trackers write inside the run directory
             project.project_dir = project.logging_dir = run_dir
             config = engine.run_config or {
-                "engine": dataclasses.asdict(cfg),
+                "engine": dataclasses.asdict(engine.config),
                 "plugins": engine.resolved_plugin_settings(),
             }
             if run is not None:

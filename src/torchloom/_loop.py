@@ -17,6 +17,7 @@ from accelerate.data_loader import get_sampler
 from accelerate.utils import find_batch_size
 
 from torchloom._accelerator import note_run_failed
+from torchloom._batch_limits import limited
 from torchloom._context import RunContext, activate
 from torchloom._data_position import data_order, position, resume_point
 from torchloom._evaluation import validation_pass
@@ -150,14 +151,17 @@ class FitLoop:
             rng = None
         state.epoch, state.batch_idx = epoch, skip
         relay.call("on_train_epoch_start", accelerator=run.accelerator, progress=state.progress())
-        done, batches = False, 0
-        for batch_idx, batch in enumerate(run.accelerator.skip_first_batches(loader, skip) if skip else loader, skip):
+        done, batches, limit = False, 0, run.train_batches
+        source = run.accelerator.skip_first_batches(loader, skip) if skip else loader
+        # Under a batch limit (limit_train_batches, overfit_batches, fast_dev_run) the epoch ends after its
+        # last batch, which ends an open accumulation window with an optimizer step, as a whole epoch's last does.
+        for batch_idx, batch in enumerate(limited(source, limit, skip, end_of_data=True), skip):
             if rng is not None:  # as they were when the checkpoint was saved: starting the loader drew from them
                 set_random_states(rng)
                 rng = None
             batches, state.batch_idx = batches + 1, batch_idx
             if self._micro_batch(batch):
-                stop_iteration(loader)
+                stop_iteration(source)
                 done = True
                 break
         if batches == 0 and skip == 0:
@@ -328,7 +332,7 @@ class FitLoop:
                 return last[1]
             name = f"step-{state.global_step:08d}" + ("-epoch-end" if finished else "")
             directory = os.path.join(run.run_dir, CHECKPOINTS_DIR, name)
-        order = data_order(run.train_dataloader, run.accelerator.num_processes)
+        order = data_order(run.train_dataloader, run.accelerator.num_processes, run.train_batches)
         # This process's data generators as the epoch to resume in starts: this one's, or (at its end) the next's.
         generators = (
             {name: g.get_state() for name, g in data_generators(run.train_dataloader).items()}
@@ -374,7 +378,7 @@ class FitLoop:
             RunFileError: on every process, when the main process cannot write those files.
         """
         run = self.run
-        order = data_order(run.train_dataloader, run.accelerator.num_processes)
+        order = data_order(run.train_dataloader, run.accelerator.num_processes, run.train_batches)
         saved, manifest = load_checkpoint(
             path,
             accelerator=run.accelerator,

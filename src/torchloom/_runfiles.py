@@ -97,7 +97,7 @@ def finish_fit(task: Any, run: Any, config: Any, logs: Any) -> None:
     """The end of a completed fit: save ``<run_dir>/model`` with `TaskModule.save_model` (``save_model: true``; every
     rank calls it), unless the weights are not finite, with its model card ``torchloom_model.json`` next to it
     (`write_model_card`, from the run log ``logs``: its latest values and last record); then point
-    ``<output_dir>/latest`` at this run.
+    ``<output_dir>/latest`` at this run (not after a ``fast_dev_run``, which saves no model either).
 
     Raises:
         TaskError: a weight is NaN or infinite (``nonfinite_loss`` other than ``"ignore"``).
@@ -125,7 +125,7 @@ def finish_fit(task: Any, run: Any, config: Any, logs: Any) -> None:
                 raise
             raise RunFileError(f"cannot save the model to {path!r}: {reason}") from exc
         acc.wait_for_everyone()  # the model is in place on return, on every process
-    if acc.is_main_process:
+    if acc.is_main_process and not getattr(config, "is_fast_dev_run", False):  # a quick-debug fit is no result
         link = os.path.join(config.output_dir, LATEST)
         tmp_link = temporary_path(link)
         try:

@@ -14,6 +14,7 @@ from accelerate.data_loader import get_sampler
 from accelerate.utils import DistributedType, set_seed
 
 from torchloom._agreement import RankAgreement
+from torchloom._batch_limits import Limit, overfit_loader, resolve, train_limit, val_limit
 from torchloom._guards import (
     check_model,
     check_optimizer_parameters,
@@ -47,6 +48,9 @@ class Run:
     run_dir: str = ""  # this call's directory, <output_dir>/version_N
     datamodule: Any = None  # the call's data module, when it has one
     agreement: RankAgreement = field(default_factory=lambda: RankAgreement(1))  # how the processes decide alike
+    train_batches: int | None = None  # training batches per epoch and process under a limit (None: every one)
+    val_limit: Limit | None = None  # the setting that limits every validation pass (torchloom._batch_limits)
+    val_batches: int | None = None  # ... and the validation batches per process it comes to (None: every one)
 
 
 def prepare_run(
@@ -82,6 +86,12 @@ def prepare_run(
         accelerator.wait_for_everyone()
         datamodule.setup(stage)
     train_dl, val_dl, predict_dl = _dataloaders(task, stage, datamodule, loaders)
+    if stage == "fit" and config.overfit_batches is not None:
+        # The same first batches every epoch, in order; the validation on those batches (its own copy: a
+        # validation inside an epoch must not iterate the training loader itself).
+        train_dl = overfit_loader(train_dl)
+        has_validation = type(task).validation_step is not TaskModule.validation_step
+        val_dl = overfit_loader(train_dl) if has_validation else None
     if val_dl is not None:
         check_validation_step(task)
     model = check_model(task.configure_model(), task)
@@ -94,7 +104,9 @@ def prepare_run(
     if stage == "fit":
         _check_trainable(model, task)
         train_mode_unless_chosen(model)
-        task.num_training_steps = steps = _num_training_steps(config, train_dl, accelerator)
+        per_process = _batches_per_process(train_dl, accelerator)
+        train_batches = resolve(train_limit(config), per_process, "training")
+        task.num_training_steps = steps = _num_training_steps(config, per_process, train_batches, accelerator)
         interval = config.val_check_interval
         if val_dl is not None and interval and steps and interval > steps:
             raise ConfigError(
@@ -117,9 +129,14 @@ def prepare_run(
     if accelerator.is_main_process:
         start_run_files(run_dir, run_config)
     agreement = RankAgreement(accelerator.num_processes)
-    return Run(
+    run = Run(
         accelerator, relay, model, optimizer, scheduler, train_dl, val_dl, predict_dl, run_dir, datamodule, agreement
     )
+    if stage == "fit":
+        run.train_batches = train_batches
+    run.val_limit = val_limit(config, stage)
+    run.val_batches = resolve(run.val_limit, _length(val_dl), "validation") if val_dl is not None else None
+    return run
 
 
 def _seed_sampler(loader: Any, seed: int | None) -> None:
@@ -188,6 +205,7 @@ def reuse_run(
         run.predict_dataloader = run.accelerator.prepare(loader) if loader is not None else None
     elif loaders.get("val_dataloader") is not None:
         run.val_dataloader = run.accelerator.prepare(loaders["val_dataloader"])
+        run.val_batches = resolve(run.val_limit, _length(run.val_dataloader), "validation")
     _check_stage_data(stage, run.val_dataloader, run.predict_dataloader)
     if stage == "validate":
         check_validation_step(task)
@@ -244,6 +262,8 @@ def sanity_check(task: TaskModule, run: Run, num_batches: int, logs: Any) -> Non
         TaskError: the processes have different numbers of validation batches.
     """
     loader, acc = run.val_dataloader, run.accelerator
+    if run.val_batches is not None:  # limit_val_batches: no more than a validation pass runs
+        num_batches = min(num_batches, run.val_batches)
     if num_batches == 0 or loader is None:
         return
     check_same_length(run.agreement, loader, "validation")
@@ -337,14 +357,24 @@ def _configure_optimizers(
     return optimizer, scheduler
 
 
-def _num_training_steps(config: EngineConfig, train_dataloader: Any, accelerator: Accelerator) -> int | None:
-    """Optimizer steps the fit will take (see the ``configure_optimizers`` hook), before anything is prepared."""
+def _batches_per_process(train_dataloader: Any, accelerator: Accelerator) -> int | None:
+    """Training batches per epoch on each process once prepared (``None``: an iterable dataset without a length)."""
     batches = _length(train_dataloader)
-    if batches is None:  # an iterable dataset without a length
-        return config.max_steps
-    if accelerator.num_processes > 1 and not accelerator.split_batches:  # the shard of rank 0
+    if batches is not None and accelerator.num_processes > 1 and not accelerator.split_batches:  # rank 0's shard
         n = accelerator.num_processes
         batches = batches // n if getattr(train_dataloader, "drop_last", False) else math.ceil(batches / n)
+    return batches
+
+
+def _num_training_steps(
+    config: EngineConfig, per_process: int | None, limited: int | None, accelerator: Accelerator
+) -> int | None:
+    """Optimizer steps the fit will take (see the ``configure_optimizers`` hook), before anything is prepared:
+    ``per_process`` batches per epoch, or ``limited`` ones under a batch limit (``limit_train_batches``,
+    ``overfit_batches``, ``fast_dev_run``), whose last accumulation window also ends with a step."""
+    batches = limited if limited is not None else per_process
+    if batches is None:  # an iterable dataset without a length, and no limit
+        return config.max_steps
     total = math.ceil(batches / accelerator.gradient_accumulation_steps) * config.max_epochs
     return total if config.max_steps is None else min(total, config.max_steps)
 

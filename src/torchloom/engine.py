@@ -158,7 +158,7 @@ class Engine:
         run = self._starter.start(
             task, "fit", datamodule, train_dataloader=train_dataloader, val_dataloader=val_dataloader
         )
-        loop = FitLoop(self.config, run, task, self.logs, self.plugins, started)
+        loop = FitLoop(self.config.for_run(), run, task, self.logs, self.plugins, started)
         self._state = loop.state
         path = self.resumed_from
         start = self._starter.set_up(run, "fit", loop.resume, path, reset_optimizer) if path else Start()

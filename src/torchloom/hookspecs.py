@@ -92,7 +92,11 @@ def setup(config: EngineConfig, stage: str) -> None:
     ``teardown(stage)`` ends the same call; the engine calls a plugin's hooks only between the two, so a
     plugin can open what it needs here and close it in ``teardown``, and start each call with fresh state.
 
-    :param config: the loop settings (read only).
+    :param config: the loop settings the call runs by (read only). In a quick-debug run
+        (``fast_dev_run``) ``config.is_fast_dev_run`` is true, and ``max_epochs``, ``val_check_interval``,
+        ``num_sanity_val_steps`` and ``save_model`` are those it runs by (1, ``None``, 0, false): a plugin that
+        writes what outlives the run (checkpoints, tracker logs, exported files) writes nothing then, as the
+        ``checkpoint`` and ``trackers`` plugins do. This is the one way the engine tells plugins.
     :param stage: ``"fit"``, ``"validate"`` or ``"predict"``.
 
     **Example:**
@@ -100,8 +104,9 @@ def setup(config: EngineConfig, stage: str) -> None:
     .. code-block:: python
 
         @torchloom.hookimpl
-        def setup(self, stage):
+        def setup(self, config, stage):
             self.seen = 0  # per-call state, reset at every call
+            self.writes = not config.is_fast_dev_run  # a fast_dev_run saves nothing
     """
 
 
