@@ -16,9 +16,9 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 
     Frames skipped, from the caller outwards: the caller's own (consecutive frames of its file: a third-party
     plugin's hook and its helpers), then those of torchloom, its built-in plugins and the packages hooks and
-    commands run through (pluggy, contextlib, jsonargparse). The warning then names the line of the user's script that called ``Engine.fit`` (or built the
-    engine), as the filters and ``-W error`` of the user's code expect, however deep in the loop or in a plugin
-    it was raised, and however many frames a decorator adds.
+    commands run through (pluggy, contextlib, jsonargparse). The warning then names the line of the user's script
+    that called ``Engine.fit`` (or built the engine), as the filters and ``-W error`` of the user's code expect,
+    however deep in the loop or in a plugin it was raised, and however many frames a decorator adds.
 
     Args:
         message (`str`): the warning.
