@@ -287,7 +287,7 @@ class Throughput(torchloom.Plugin):
     def _log_rates(self, accelerator: Any, log: Any) -> None:
         now = time.perf_counter()
         elapsed, self._clock = now - self._clock, now
-        window, self._window = self._window, {}
+        window, self._window = {name: _float64(v) for name, v in self._window.items()}, {}
         prefix, world = self.config.prefix, accelerator.num_processes
         if elapsed > 0:
             # Weighted by the step's time, the mean over steps and ranks of count * world / time is the interval's
@@ -335,6 +335,13 @@ class Throughput(torchloom.Plugin):
             )
         self.totals = {name: float(totals[name]) for name in self.COUNTS}
         self._loaded = True
+
+
+def _float64(value: Any) -> Any:
+    """A count as float64 (a device tensor stays on its device; MPS has no float64), so that a rate keeps its digits."""
+    if isinstance(value, torch.Tensor) and value.device.type != "mps":
+        return value.to(torch.float64)
+    return value
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -252,3 +252,150 @@ def test_the_peak_table_by_device_name_and_precision():
 def test_bad_settings_are_one_clear_error(settings, match):
     with pytest.raises(torchloom.ConfigError, match=match):
         torchloom.enable_plugins({"throughput": settings})
+
+
+# ------------------------------------------------------------------------------- edges (mutation survivors)
+
+
+def test_count_batch_on_other_batches_exactly():
+    ids = torch.arange(12).reshape(3, 4)
+    assert count_batch({"input_ids": ids}) == {
+        "samples": 3, "tokens": 12, "computed_tokens": 12, "loss_tokens": None, "rows": 3, "length": 4,
+    }  # fmt: skip
+    assert count_batch([torch.zeros(5, 2), torch.zeros(5)]) == {
+        "samples": 5, "tokens": None, "computed_tokens": None, "loss_tokens": None, "rows": None, "length": None,
+    }  # fmt: skip
+    # Packed rows without labels: nothing tells padding apart, so every position counts (3 sequences).
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])
+    unlabelled = count_batch({"input_ids": torch.ones(2, 5, dtype=torch.long), "position_ids": positions})
+    assert (int(unlabelled["samples"]), int(unlabelled["tokens"])) == (4, 10)
+    # position_ids of another shape (broadcast over rows) are not packed rows: every position counts, a row a sample.
+    shared = count_batch({"input_ids": torch.ones(2, 5, dtype=torch.long), "position_ids": torch.arange(5)[None]})
+    assert (shared["samples"], shared["tokens"]) == (2, 10)
+
+
+def test_peak_memory_on_a_cpu_is_the_peak_resident_set_in_bytes():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    measured = throughput.peak_memory_bytes(torch.device("cpu"))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert before <= measured <= after and measured > 50 * 2**20  # bytes (ru_maxrss is KiB on Linux), not KiB
+
+
+class UnevenClock:
+    """Each reading later than the one before by 0.1 s more than the last step: steps of 0.1, 0.2, 0.3 ... s."""
+
+    def __init__(self) -> None:
+        self.now, self.step, self.readings = 0.0, 0.0, []
+
+    def perf_counter(self) -> float:
+        self.step += 0.1
+        self.now += self.step
+        self.readings.append(self.now)
+        return self.now
+
+
+def test_rates_of_uneven_steps_are_the_interval_count_over_its_time_not_a_mean_of_rates(
+    tmp_path, tokenizer, monkeypatch
+):
+    clock = UnevenClock()
+    monkeypatch.setattr(throughput, "time", clock)
+    engine = torchloom.Engine(
+        max_epochs=1, output_dir=str(tmp_path / "run"), default_plugins=False, log_every_n_steps=2,
+        plugins=[{"throughput": {"peak_flops": 1e9}}],
+    )  # fmt: skip
+    engine.fit(lm.LMTask(tokenizer), datamodule=lm.data(tokenizer, tmp_path / "cache", packing=False, batch_size=2))
+    step_ends = clock.readings  # the fit's start, then one reading per optimizer step
+    for k, r in enumerate(records(engine)):  # record k covers steps 2k+1 and 2k+2
+        seconds = step_ends[2 * k + 2] - step_ends[2 * k]
+        assert r["throughput/tokens_per_s"] == pytest.approx(r["throughput/tokens"] / seconds, rel=1e-9)
+        assert r["throughput/samples_per_s"] == pytest.approx(r["throughput/samples"] / seconds, rel=1e-9)
+        flops = r["throughput/flops_per_s"] * seconds
+        assert r["throughput/mfu"] == pytest.approx(flops / seconds / 1e9, rel=1e-9)
+
+
+class StoppedClock:
+    def perf_counter(self) -> float:
+        return 5.0
+
+
+def test_a_step_of_no_measurable_time_logs_no_rate(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setattr(throughput, "time", StoppedClock())
+    engine = torchloom.Engine(
+        max_epochs=1, output_dir=str(tmp_path / "run"), default_plugins=False, log_every_n_steps=2,
+        plugins=[{"throughput": {}}],
+    )  # fmt: skip
+    engine.fit(lm.LMTask(tokenizer), datamodule=lm.data(tokenizer, tmp_path / "cache", packing=False, batch_size=2))
+    first = records(engine)[0]
+    assert "throughput/tokens_per_s" not in first and first["throughput/tokens"] > 0
+    assert first["throughput/peak_memory_bytes"] > 0
+
+
+def test_a_plugin_reused_for_a_second_fit_starts_its_totals_again(tmp_path, tokenizer):
+    plugin = Throughput()
+    for run in ("a", "b"):
+        engine = torchloom.Engine(max_epochs=1, output_dir=str(tmp_path / run), default_plugins=False, plugins=[plugin])
+        engine.fit(lm.LMTask(tokenizer), datamodule=lm.data(tokenizer, tmp_path / "cache", packing=False, batch_size=4))
+    assert plugin.totals["samples"] == 16
+
+
+@pytest.mark.parametrize(
+    "state",
+    [[1, 2], {"totals": dict.fromkeys(Throughput.COUNTS, True)}, {"totals": dict.fromkeys(Throughput.COUNTS, "1")}],
+)
+def test_a_bad_state_is_a_plugin_error(state):
+    with pytest.raises(torchloom.PluginError, match=r"expected \{'totals': \{samples, tokens, loss_tokens, computed"):
+        Throughput().load_state_dict(state)
+
+
+def test_peak_table_names_are_matched_without_case_and_a_bad_device_lists_the_known_ones():
+    assert peak_flops_of("nvidia h100 pcie", "bf16") == 756.5e12
+    with pytest.raises(torchloom.ConfigError) as caught:
+        torchloom.enable_plugins({"throughput": {"device": "zzz"}})
+    assert str(caught.value).endswith(
+        "throughput: setting 'device' = 'zzz' is not in the peak table. Known: H200, H100 PCIe, H100, A100, L40S, L4, "
+        "A10, V100; or set 'peak_flops'"
+    )
+    with pytest.raises(torchloom.ConfigError, match=r"'peak_flops' = 0.0; expected a finite number > 0"):
+        torchloom.enable_plugins({"throughput": {"peak_flops": 0}})
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"batch_size": 0}, "estimate_flops: batch_size = 0; expected an integer >= 1"),
+        ({"seq_len": True}, "estimate_flops: seq_len = True; expected an integer >= 1"),
+        ({"seq_len": 4.0}, "estimate_flops: seq_len = 4.0; expected an integer >= 1"),
+    ],
+)
+def test_estimate_flops_refuses_bad_sizes(settings, message):
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=24)  # fmt: skip
+    with pytest.raises(torchloom.ConfigError) as caught:
+        torchloom.estimate_flops(config, **settings)
+    assert str(caught.value) == message
+
+
+def test_estimate_flops_defaults_the_length_and_takes_any_model_with_a_forward():
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=24,
+                                      architectures=["LlamaForCausalLM"])  # fmt: skip
+    assert torchloom.estimate_flops(config) == torchloom.estimate_flops(config, seq_len=24)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+    def forward(model, batch_size, seq_len):
+        return model(torch.randn(batch_size, 8)).sum()
+
+    # forward 2 * (8*16 + 16*2) per row; backward twice that, minus the input gradient of the first layer (8*16 * 2)
+    assert torchloom.estimate_flops(mlp, batch_size=3, forward=forward) == 3 * (3 * 2 * (8 * 16 + 16 * 2) - 2 * 8 * 16)
+    with pytest.raises(torchloom.ConfigError, match=r"^estimate_flops: Sequential is not a transformers model"):
+        torchloom.estimate_flops(mlp)
+
+    def broken(model, batch_size, seq_len):
+        return model(torch.randn(batch_size, 7)).sum()
+
+    with pytest.raises(
+        torchloom.ConfigError, match=r"^estimate_flops: the forward and backward of Sequential .* RuntimeE"
+    ):
+        torchloom.estimate_flops(mlp, forward=broken)
