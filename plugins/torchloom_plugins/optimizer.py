@@ -41,7 +41,6 @@ import torchloom
 from torchloom import ConfigError
 
 __all__ = [
-    "IMPLEMENTATIONS",
     "OptimizerConfig",
     "OptimizerSwap",
     "adamw_kernel",
@@ -67,8 +66,6 @@ _ONLY_FOR = {
     "min_8bit_size": _EIGHT_BIT,
     "implementation": ("adamw",),
 }
-#: torch's AdamW implementations (the ``implementation`` setting), as the torch.optim documentation names them.
-IMPLEMENTATIONS = ("fused", "foreach", "for_loop")
 #: How the 8-bit optimizers' error says to install bitsandbytes: the README's install line with the ``8bit`` extra.
 INSTALL_8BIT = 'python3 -m pip install -c constraints.txt -e ".[8bit]"'
 # Schedules whose step() needs a metric or a loss: the engine calls scheduler.step() without arguments.

@@ -48,6 +48,7 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+from accelerate.utils import find_batch_size
 
 import torchloom
 
@@ -145,8 +146,6 @@ def count_batch(batch: Any) -> dict[str, Any]:
 
     ``loss_tokens`` is the batch's ``num_items`` when it has one (else ``None``).
     """
-    from accelerate.utils import find_batch_size
-
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     loss_tokens = batch.get("num_items") if isinstance(batch, Mapping) else None
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
