@@ -445,22 +445,7 @@ def create_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, 
         raise ConfigError(f"setting 'scheduler_kwargs' = {c.scheduler_kwargs!r} for {c.scheduler!r}: {exc}") from None
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Return the bytes held by the optimizer's state: the sum of ``nbytes`` of every distinct state tensor.
-
-    A tensor shared between parameters (bitsandbytes' quantization maps) counts once. Reads only tensor
-    metadata: no host-device synchronisation.
-    """
-    seen: set[tuple[str, int, int]] = set()
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                key = (str(value.device), value.data_ptr(), value.nbytes)
-                if key not in seen:
-                    seen.add(key)
-                    total += value.nbytes
-    return total
+optimizer_state_bytes = torchloom.optimizer_state_bytes  # re-exported: the functional core's name
 
 
 # bitsandbytes 0.45-0.50 (`Optimizer2State.init_state`): blockwise 8-bit state uses one float32 absmax per

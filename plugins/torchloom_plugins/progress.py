@@ -6,7 +6,9 @@ Method card
   ``metrics.jsonl``), the optimizer step out of the total (``40/100``), the latest
   training loss, steps per second, elapsed time and ETA; a line with the values of each validation pass; at the
   end of a completed ``fit`` (and of a ``validate``) a table of every logged name with its last and its best
-  value, then the optimizer steps, epochs and samples; the training time (from the first epoch's start to the
+  value, then the optimizer steps, epochs and samples; the model's parameters (total, trainable, bytes as held:
+  `torchloom.count_parameters`) and the optimizer state's bytes on the main process at the end
+  (`torchloom.optimizer_state_bytes`); the training time (from the first epoch's start to the
   end of training, validation passes excluded) with the samples and steps per second measured over it (the HF
   Trainer's ``train_runtime`` and ``train_samples_per_second = samples / train_runtime``); the wall time of the
   whole call (set-up, validation and saving included) on a line of its own; the run directory and where the
@@ -26,8 +28,9 @@ Method card
   on the main process: one shape read, a clock read on optimizer steps, and a bar update at most
   ``refresh_per_second`` times a second. Other processes return from every hook at once.
 - **Hooks:** ``setup`` (per-call state, the ``max_epochs`` and ``save_model`` settings), ``on_run_start`` (the
-  run directory; whether this process displays), ``on_fit_start`` (the total, ``task.num_training_steps``; what
-  a resumed fit continues; the bar starts), ``on_train_epoch_start``, ``on_train_batch_end`` (samples, steps),
+  run directory; whether this process displays), ``on_fit_start`` (the total, ``task.num_training_steps``; the
+  model and optimizer; what a resumed fit continues; the bar starts), ``on_train_epoch_start``,
+  ``on_train_batch_end`` (samples, steps),
   ``on_validation_start`` / ``on_validation_end``, ``on_log`` (the loss, the validation line, last and best
   values), ``on_train_end`` (the training clock stops; the bar's last frame stays), ``on_exception``,
   ``on_fit_end`` (the table and ``summary.json``, only when the fit completed; after a ``fast_dev_run``, announced
@@ -242,6 +245,8 @@ class ProgressBar(torchloom.Plugin):
         self._line_time, self._line_steps = -math.inf, 0  # the last plain training line printed
         self._pending: str | None = None  # a training line held back by plain_every_n_seconds
         self.summary = None
+        self._model: Any = None  # the fit's model and optimizer (on_fit_start), sized at the end
+        self._optimizer: Any = None
 
     @torchloom.hookimpl
     def setup(self, config, stage: str) -> None:
@@ -260,10 +265,11 @@ class ProgressBar(torchloom.Plugin):
     # -------------------------------------------------------------------------------------------- fit
 
     @torchloom.hookimpl
-    def on_fit_start(self, task, resumed) -> None:
+    def on_fit_start(self, task, model, optimizer, resumed) -> None:
         if not self._active:
             return
         self._resumed = resumed
+        self._model, self._optimizer = model, optimizer
         for step, _, values in resumed.logged() if resumed is not None else ():  # the earlier runs' values
             self._track(values, step)
         self._total = task.num_training_steps
@@ -524,6 +530,18 @@ class ProgressBar(torchloom.Plugin):
             "resumed_from": self._resumed.checkpoint if self._resumed is not None else None,
             "run_dir": self._run_dir,
             "model_dir": os.path.join(self._run_dir, torchloom.MODEL_DIR) if self._save_model else None,
+            **self._sizes(),
+        }
+
+    def _sizes(self) -> dict[str, Any]:
+        """The model's parameters (total, trainable, bytes as held) and the optimizer's state in bytes on this
+        process, at the end of the fit (tensor metadata only)."""
+        if self._model is None:
+            return {"parameters": None, "optimizer_state_bytes": None}
+        counts = torchloom.count_parameters(self._model)
+        return {
+            "parameters": {key: counts[key] for key in ("total", "trainable", "bytes")},
+            "optimizer_state_bytes": torchloom.optimizer_state_bytes(self._optimizer),
         }
 
     def _validate_summary(self) -> dict[str, Any]:
@@ -631,9 +649,22 @@ def _info_lines(summary: dict[str, Any]) -> list[str]:
         lines = _counts_lines(summary, epochs, f"whole training ({summary['runs']} runs): ", "the fit calls")
         lines += _counts_lines(summary["this_run"], None, "this run: ", "this fit call")
         lines.append(f"resumed from {summary['resumed_from']}")
+    if summary.get("parameters") is not None:
+        lines.append(_sizes_line(summary["parameters"], summary["optimizer_state_bytes"]))
     lines.append(f"run directory: {summary['run_dir']}")
     lines.append(f"model: {summary['model_dir'] or 'not saved (engine setting save_model: false)'}")
     return lines
+
+
+def _sizes_line(parameters: dict[str, int], optimizer_bytes: int) -> str:
+    """``parameters 134,515,008 (921,600 trainable, 0.69 %), 513 MiB; optimizer state 7.03 MiB``: the HF Trainer's
+    "Number of trainable parameters", Lightning's model summary."""
+    total, trainable = parameters["total"], parameters["trainable"]
+    share = f", {100 * trainable / total:.3g} %" if 0 < trainable < total else ""
+    return (
+        f"parameters {total:,} ({trainable:,} trainable{share}), {torchloom.format_bytes(parameters['bytes'])}; "
+        f"optimizer state {torchloom.format_bytes(optimizer_bytes)}"
+    )
 
 
 def _counts_lines(counts: dict[str, Any], epochs: str | None, prefix: str, wall: str) -> list[str]:

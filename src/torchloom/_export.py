@@ -29,6 +29,7 @@ from torchloom._safetensors import (
     safetensors_summary,
     weight_files,
 )
+from torchloom._sizes import count_parameters
 from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_files
 from torchloom.errors import CheckpointError, ConfigError
 
@@ -38,7 +39,6 @@ __all__ = [
     "header_entries",
     "load_weights",
     "model_card",
-    "parameter_counts",
     "resolve_weights",
     "safetensors_summary",
     "weight_files",
@@ -52,21 +52,6 @@ LIBRARIES = ("torch", "accelerate", "transformers", "safetensors", "huggingface_
 # ------------------------------------------------------------------------------------------------ the card
 
 
-def parameter_counts(model: torch.nn.Module) -> dict[str, Any]:
-    """``total`` and ``trainable`` parameters (a parameter shared by several modules counted once), and the
-    parameters per dtype."""
-    params = list(model.parameters())  # each shared Parameter once
-    dtypes: dict[str, int] = {}
-    for p in params:
-        name = str(p.dtype).removeprefix("torch.")
-        dtypes[name] = dtypes.get(name, 0) + p.numel()
-    return {
-        "total": sum(p.numel() for p in params),
-        "trainable": sum(p.numel() for p in params if p.requires_grad),
-        "dtypes": dtypes,
-    }
-
-
 def adapter_card(model: torch.nn.Module) -> dict[str, Any] | None:
     """The card's ``adapter``: what `torchloom._adapter.describe` records (method, rank, alpha, adapted modules,
     ``modules_to_save``, quantisation, the base it needs: class, ``name_or_path``, SHA-256 of its frozen weights),
@@ -76,10 +61,11 @@ def adapter_card(model: torch.nn.Module) -> dict[str, Any] | None:
     if described is None:
         return None
     trainable = [p for p in model.parameters() if p.requires_grad]
+    counts = count_parameters(model)
     return {
         **described,
-        "trainable_parameters": sum(p.numel() for p in trainable),
-        "total_parameters": sum(p.numel() for p in model.parameters()),
+        "trainable_parameters": counts["trainable"],
+        "total_parameters": counts["total"],
         "bytes": sum(p.numel() * p.element_size() for p in trainable),
     }
 
@@ -95,7 +81,7 @@ def model_card(
     the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``, as in ``metrics.jsonl``)."""
     from torchloom._version import __version__
 
-    counts = parameter_counts(model)
+    counts = count_parameters(model)
     libraries = {"torchloom": __version__}
     for name in LIBRARIES:
         try:
