@@ -220,6 +220,48 @@ def run_trainer(args: Any, tokenizer_dir: str, work: Path) -> dict[str, float]:
     return clock.result(args.skip, args.steps)
 
 
+def interleaved(runners: list[str], rounds: int, run: Any) -> dict[str, list[dict[str, float]]]:
+    """``run(name)`` for every runner in every round, the order rotated by one per round."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
+    for round_ in range(rounds):
+        for name in runners[round_ % len(runners) :] + runners[: round_ % len(runners)]:
+            results[name].append(run(name))
+            print(f"round {round_}: {name}: {results[name][-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)
+    return results
+
+
+def summarise(
+    results: dict[str, list[dict[str, float]]], runners: list[str], baseline: Any = lambda name: "trainer"
+) -> list[dict[str, Any]]:
+    """Each runner's median tokens/s, its ratio to the same round's ``baseline(name)`` runner (median, min-max)
+    and its median padding efficiency."""
+    rows = []
+    for name in runners:
+        rates = [r["tokens_per_s"] for r in results[name]]
+        base = results.get(baseline(name), [])
+        ratios = [r["tokens_per_s"] / t["tokens_per_s"] for r, t in zip(results[name], base)]
+        rows.append({
+            "runner": name, "tokens_per_s": statistics.median(rates),
+            "ratio": statistics.median(ratios) if ratios else None,
+            "ratio_range": [min(ratios), max(ratios)] if ratios else None,
+            "padding_efficiency": statistics.median(r["padding_efficiency"] for r in results[name]),
+        })  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table."""
+    lines = ["| runner | tokens/s | x its Trainer (min-max) | padding efficiency |", "|---|---:|---:|---:|"]
+    for row in rows:
+        ratio = (
+            ""
+            if row["ratio"] is None
+            else f"{row['ratio']:.2f} ({row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f})"
+        )
+        lines.append(f"| {row['runner']} | {row['tokens_per_s']:.0f} | {ratio} | {row['padding_efficiency']:.1%} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -234,39 +276,19 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     runners = args.runners.split(",")
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         tokenizer = make_tokenizer(work / "tokenizer")
-        for round_ in range(args.rounds):
-            order = runners[round_ % len(runners) :] + runners[: round_ % len(runners)]
-            for name in order:
-                if name == "trainer":
-                    result = run_trainer(args, tokenizer, work)
-                else:
-                    result = run_torchloom(args, tokenizer, work, packing=name == "torchloom-packed")
-                results[name].append(result)
-                print(f"round {round_}: {name}: {result['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
-    rows = []
-    for name in runners:
-        rates = [r["tokens_per_s"] for r in results[name]]
-        ratios = [r["tokens_per_s"] / t["tokens_per_s"] for r, t in zip(results[name], results.get("trainer", []))]
-        rows.append({
-            "runner": name, "tokens_per_s": statistics.median(rates),
-            "ratio": statistics.median(ratios) if ratios else None,
-            "ratio_range": [min(ratios), max(ratios)] if ratios else None,
-            "padding_efficiency": statistics.median(r["padding_efficiency"] for r in results[name]),
-        })  # fmt: skip
+
+        def run(name: str) -> dict[str, float]:
+            if name == "trainer":
+                return run_trainer(args, tokenizer, work)
+            return run_torchloom(args, tokenizer, work, packing=name == "torchloom-packed")
+
+        results = interleaved(runners, args.rounds, run)
+    rows = summarise(results, runners)
     print(f"\nCausal-LM fine-tune, real tokens/s (median of {args.rounds} rounds, steps {args.skip}-{args.steps})\n")
-    print("| runner | tokens/s | x Trainer (min-max) | padding efficiency |")
-    print("|---|---:|---:|---:|")
-    for row in rows:
-        ratio = (
-            ""
-            if row["ratio"] is None
-            else f"{row['ratio']:.2f} ({row['ratio_range'][0]:.2f}-{row['ratio_range'][1]:.2f})"
-        )
-        print(f"| {row['runner']} | {row['tokens_per_s']:.0f} | {ratio} | {row['padding_efficiency']:.1%} |")
+    print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "runs": results}, indent=2))
 

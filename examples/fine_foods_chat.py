@@ -49,6 +49,7 @@ from transformers import AutoModelForCausalLM, get_scheduler
 
 import torchloom
 from torchloom.data import ChatData, default_cache_dir, load_tokenizer
+from torchloom_plugins.optimizer import adamw_kernel  # the fastest AdamW kernel on the device: fused on a CPU or GPU
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fine_foods.py, next to this file
 import fine_foods
@@ -309,7 +310,8 @@ class FineFoodsChat(torchloom.TaskModule):
     def configure_optimizers(self) -> tuple[torch.optim.Optimizer, Any]:
         if self.num_training_steps is None:
             raise torchloom.ConfigError("FineFoodsChat: the number of training steps is unknown; set max_steps")
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        kernel = adamw_kernel(None, self.accelerator.device.type, self.accelerator.mixed_precision == "fp16")
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay, **kernel)
         scheduler = get_scheduler(
             "linear",
             optimizer,

@@ -7,8 +7,9 @@ Method card
   ``A`` of shape ``(r, in_features)`` (Kaiming-uniform), ``B`` of shape ``(out_features, r)`` (zeros, so training
   starts from the base exactly) and dropout ``lora_dropout`` on ``x`` before ``A``. QLoRA (Dettmers et al. 2023,
   "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv:2305.14314) stores the frozen base's ``nn.Linear``
-  weights in 4 bits (NF4, double quantisation of the block scales) and computes in ``compute_dtype``; the
-  adapter stays in float32. Gradients and optimizer state exist for the adapter only.
+  weights in 4 bits (NF4, double quantisation of the block scales) and computes in ``compute_dtype``; on a 4-bit
+  base peft creates the adapter in ``compute_dtype`` too (bf16 by default), on any other base in the base
+  layer's dtype. Gradients and optimizer state exist for the adapter only.
 - **Mechanism:** `peft.inject_adapter_in_model` in ``configure_model``, in place (the model object, and the names
   of its base parameters, stay what the task built), before ``accelerator.prepare``; with ``load_in_4bit`` /
   ``load_in_8bit`` the base's ``nn.Linear`` layers (not the output head, not ``modules_to_save``) are first

@@ -166,7 +166,10 @@ REASONS: dict[str, str] = {
     "dataloader_prefetch_factor": _DATALOADER,
     "dataloader_multiprocessing_context": _DATALOADER,
     "dataloader_in_order": _DATALOADER,
-    "train_sampling_strategy": "the sampler belongs to your DataModule's train_dataloader",
+    "train_sampling_strategy": (
+        "the sampler belongs to your DataModule's train_dataloader; for 'group_by_length', torchloom's text data "
+        "modules take group_by_length: true"
+    ),
     "group_by_length": (
         "a data-module setting: group_by_length: true on torchloom's text data modules (TextClassificationData, "
         "LanguageModelingData, PromptCompletionData, ChatData)"
