@@ -152,12 +152,17 @@ def test_peft_false_and_a_model_module_leave_the_model_as_it_is():
     config = llama_config()
     plain = torchloom.estimate_memory(config, batch_size=1, seq_len=8, grad_checkpoint=False)
     assert torchloom.estimate_memory(config, batch_size=1, seq_len=8, grad_checkpoint=False, peft=False) == plain
+    from_config = torchloom.estimate_memory(config, batch_size=1, seq_len=8, grad_checkpoint=False, peft=QLORA)
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    estimate = torchloom.estimate_memory(model, batch_size=1, seq_len=8, grad_checkpoint=False, peft=QLORA)
-    assert estimate.trainable_parameters < estimate.parameters == plain.parameters + estimate.trainable_parameters
-    assert not hasattr(model, "peft_config") and all(type(m) is not torch.nn.Module for m in model.modules())
-    assert all(p.is_meta and p.requires_grad for p in model.parameters())
+        meta_model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    for model in (meta_model, transformers.LlamaForCausalLM(config)):
+        before = {name: (p.device, p.dtype, p.requires_grad) for name, p in model.named_parameters()}
+        estimate = torchloom.estimate_memory(model, batch_size=1, seq_len=8, grad_checkpoint=False, peft=QLORA)
+        assert estimate == from_config
+        assert estimate.trainable_parameters < estimate.parameters == plain.parameters + estimate.trainable_parameters
+        assert not hasattr(model, "peft_config") and not hasattr(model, "is_loaded_in_4bit")
+        assert {name: (p.device, p.dtype, p.requires_grad) for name, p in model.named_parameters()} == before
 
 
 TASK = """
@@ -189,6 +194,7 @@ def test_a_run_config_applies_its_peft_plugin_and_the_command_takes_peft(tmp_pat
     assert printed == json.loads(json.dumps({**expected.to_dict(), "model": "LlamaForCausalLM"}))
     assert printed["adapter"] == "lora r=4, base in 4 bits (nf4)"
 
+    args += ["--grad_checkpoint", "false"]
     assert main(["estimate-memory", str(run), *args, "--peft", "false"]) == 0  # the run config's adapter off
     off = json.loads(capsys.readouterr().out)
     assert off["adapter"] is None and off["trainable_parameters"] == off["parameters"]
@@ -196,7 +202,9 @@ def test_a_run_config_applies_its_peft_plugin_and_the_command_takes_peft(tmp_pat
     given = json.loads(capsys.readouterr().out)
     assert given["adapter"] == "lora r=8" and given["rows"][0]["weights"] > printed["rows"][0]["weights"]
 
-    assert main(["estimate-memory", str(run), "--batch_size", "2", "--seq_len", "32"]) == 0
+    assert (
+        main(["estimate-memory", str(run), "--batch_size", "2", "--seq_len", "32", "--grad_checkpoint", "false"]) == 0
+    )
     header = capsys.readouterr().out.splitlines()[0]
     assert (
         header.startswith("LlamaForCausalLM: ") and "; adapter lora r=4, base in 4 bits (nf4); micro-batch 2" in header
@@ -215,15 +223,16 @@ def test_a_run_config_applies_its_peft_plugin_and_the_command_takes_peft(tmp_pat
         ({"target_modules": ["q_prj"]}, "plugin 'peft': setting 'target_modules' entry 'q_prj' matches no module"),
         ({"load_in_4bit": True, "load_in_8bit": True}, "settings 'load_in_4bit' = True and 'load_in_8bit' = True"),
     ],
+    ids=["r", "quant_type", "unknown", "target_modules", "4-and-8-bit"],
 )
 def test_a_bad_peft_setting_is_the_plugins_one_line_error(tmp_path, capsys, settings, message):
     with pytest.raises(torchloom.ConfigError) as excinfo:
         torchloom.estimate_memory(llama_config(), batch_size=1, seq_len=8, peft=settings)
     assert "\n" not in str(excinfo.value) and message in str(excinfo.value)
-    with pytest.raises(torchloom.ConfigError) as from_plugin:  # the same words as a run's
-        torchloom.Engine(plugins={"peft": settings}, output_dir=str(tmp_path)).fit(
-            _LlamaTask(llama_config())
-        ) if "target_modules" in settings else torchloom.Engine(plugins={"peft": settings})
+    with pytest.raises(torchloom.ConfigError) as from_plugin:  # a run's: when the plugin is enabled, or (a target
+        # that matches nothing) in configure_model
+        engine = torchloom.Engine(plugins={"peft": settings}, max_steps=1, output_dir=str(tmp_path))
+        engine.fit(_LlamaTask(llama_config()))
     assert str(from_plugin.value) == str(excinfo.value)
     config = tmp_path / "llama.json"
     llama_config().to_json_file(config)
