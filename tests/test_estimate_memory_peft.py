@@ -64,7 +64,11 @@ def real_tensor_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("settings", [LORA, QLORA, QLORA_8BIT], ids=["lora", "4bit", "8bit"])
+@pytest.mark.parametrize(
+    "settings",
+    [LORA, QLORA, {**QLORA, "quant_type": "fp4", "double_quant": False, "compute_dtype": "float32"}, QLORA_8BIT],
+    ids=["lora", "4bit", "4bit-fp4-single-quant", "8bit"],
+)
 def test_weights_gradients_and_parameter_counts_are_those_of_the_real_adapted_model(settings):
     model = adapted(settings)
     estimate = torchloom.estimate_memory(llama_config(), batch_size=2, seq_len=16, grad_checkpoint=False, peft=settings)
