@@ -113,7 +113,7 @@ def test_a_4bit_base_counts_its_packed_data_and_quantisation_state():
         (LORA, 4, 64, False),
         (LORA, 4, 64, True),
         (QLORA, 4, 64, False),
-        (QLORA, 4, 64, True),
+        pytest.param(QLORA, 4, 64, True, marks=pytest.mark.slow),  # 5 s on a quiet machine, 10 s under load
         (QLORA_8BIT, 4, 64, False),
     ],
     ids=["lora", "lora-checkpointed", "4bit-nf4-bf16", "4bit-checkpointed", "8bit"],
