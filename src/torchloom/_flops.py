@@ -92,7 +92,8 @@ def estimate_flops(
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"estimate_flops: {name} = {value!r}; expected an integer >= 1")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    source = load_source(model, architecture, forward, mode, caller="estimate_flops")
+    # The model as the task builds it: a run config's peft plugin is not applied here (estimate_memory applies it).
+    source = load_source(model, architecture, forward, mode, caller="estimate_flops", peft=False)
     if source.needs_seq_len and seq_len is None:
         seq_len = source.max_len
         if seq_len is None:

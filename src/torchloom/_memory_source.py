@@ -16,10 +16,21 @@ import torch
 from torchloom._suggest import closest_name
 from torchloom.errors import ConfigError, TorchloomError
 
-__all__ = ["CHECKPOINT_PLUGIN", "ForwardFn", "Source", "construct", "fake_copy", "load_source"]
+__all__ = [
+    "ADAPTER_PLUGIN",
+    "CHECKPOINT_PLUGIN",
+    "ForwardFn",
+    "Source",
+    "construct",
+    "fake_copy",
+    "load_source",
+    "quantization_state_bytes",
+]
 
 #: The plugin whose ``configure_model`` enables activation checkpointing in the checkpointed rows.
 CHECKPOINT_PLUGIN = "grad_checkpoint"
+#: The plugin whose ``configure_model`` injects an adapter (LoRA, QLoRA: on a 4-bit / 8-bit base) into the model.
+ADAPTER_PLUGIN = "peft"
 
 ForwardFn = Callable[[torch.nn.Module, int, "int | None"], torch.Tensor]
 
@@ -38,15 +49,30 @@ class Source:
 
 
 def load_source(
-    model: Any, architecture: str | None, forward: ForwardFn | None, mode: Any, caller: str = "estimate_memory"
+    model: Any,
+    architecture: str | None,
+    forward: ForwardFn | None,
+    mode: Any,
+    caller: str = "estimate_memory",
+    peft: Mapping[str, Any] | bool | None = None,
 ) -> Source:
     """The model and how to run one micro-batch of it; ``caller`` names the public function in error messages.
 
+    ``peft``: the ``peft`` plugin's settings (its ``configure_model`` is applied to a ``meta`` copy of the model,
+    see `with_adapter`); ``None`` or ``True``: a run config's ``peft`` settings if it enables the plugin, else no
+    adapter; ``False``: no adapter.
+
     Raises:
-        ConfigError: a path that does not exist, a model that cannot be built, or (without ``forward``) a model
-            whose inputs are unknown.
+        ConfigError: a path that does not exist, a model that cannot be built, a bad ``peft`` setting (the plugin's
+            message), or (without ``forward``) a model whose inputs are unknown.
     """
+    if not (peft is None or isinstance(peft, bool | Mapping)):
+        raise ConfigError(
+            f"peft = {peft!r}; expected the {ADAPTER_PLUGIN} plugin's settings (e.g. {{'r': 8, 'load_in_4bit': "
+            "True}), True (a run config's) or False (no adapter)"
+        )
     checkpoint_settings = None
+    adapter_settings: dict[str, Any] | None = None
     if isinstance(model, str | os.PathLike):
         path = os.fspath(model)
         if not os.path.exists(path):
@@ -55,7 +81,7 @@ def load_source(
                 "a transformers config (.json) or a torchloom run config (.yaml)"
             )
         if path.endswith((".yaml", ".yml")) and os.path.isfile(path):
-            built, checkpoint_settings = _from_run_config(path, mode)
+            built, checkpoint_settings, adapter_settings = _from_run_config(path, mode)
         else:
             built = _build_hf(_read_hf_config(path), architecture, mode, caller)
     elif _is_hf_config(model):
@@ -71,6 +97,12 @@ def load_source(
             f"model = {model!r}; expected a path (model directory, config .json, run config .yaml), a transformers "
             "config, a torch.nn.Module or a callable that returns one"
         )
+    if isinstance(peft, Mapping):
+        adapter_settings = dict(peft)
+    elif peft is False:
+        adapter_settings = None
+    if adapter_settings is not None:
+        built = with_adapter(built, adapter_settings)
     prototype = fake_copy(built, mode)
     label = type(built).__name__
     if forward is not None:
@@ -228,9 +260,9 @@ def _hf_source(
     )
 
 
-def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, dict[str, Any] | None]:
+def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, dict[str, Any] | None, dict[str, Any] | None]:
     """Build the model of a run config's task (its ``configure_model``, on fake tensors) and read its
-    ``grad_checkpoint`` plugin's settings."""
+    ``grad_checkpoint`` and ``peft`` plugins' settings."""
     import yaml
 
     try:
@@ -263,7 +295,8 @@ def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, dict[str, A
             f"run config {path!r}: {type(task).__name__}.configure_model returned {type(built).__name__}; "
             "expected a torch.nn.Module"
         )
-    return built, _plugin_settings(config.get("plugins"), CHECKPOINT_PLUGIN)
+    plugins = config.get("plugins")
+    return built, _plugin_settings(plugins, CHECKPOINT_PLUGIN), _plugin_settings(plugins, ADAPTER_PLUGIN)
 
 
 def _plugin_settings(section: Any, name: str) -> dict[str, Any] | None:
@@ -305,15 +338,117 @@ def construct(build: Callable[[], Any], mode: Any) -> Any:
             return build()
 
 
+def with_adapter(model: torch.nn.Module, settings: Mapping[str, Any]) -> torch.nn.Module:
+    """A ``meta`` copy of ``model`` after the ``peft`` plugin's ``configure_model`` ran on it with ``settings``, as at
+    run set-up: the base quantised as the plugin quantises it, the adapter injected, only the adapter (and
+    ``modules_to_save``) trainable. ``model`` is not changed. On ``meta`` bitsandbytes leaves a quantised layer's
+    weight unquantised (it quantises when the weight moves to a device); `fake_copy` quantises it on fake tensors.
+
+    Raises:
+        ConfigError: a bad setting, or a model the plugin cannot adapt (the plugin's one-line message).
+        PluginError: the ``peft`` plugin is not installed.
+    """
+    from torchloom.plugins import HookRelay, enable_plugins
+
+    plugins = enable_plugins({ADAPTER_PLUGIN: dict(settings)})  # validates the settings: the plugin's ConfigError
+    adapted = meta_copy(model)
+    HookRelay(plugins).call("configure_model", model=adapted, task=None, accelerator=None)
+    return adapted
+
+
+def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on ``meta``, tied parameters still tied (no data)."""
+    memo: dict[int, Any] = {}
+    for _, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in memo:
+            data = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            memo[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+    return copy.deepcopy(model, memo)
+
+
 def fake_copy(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake tensors (on the CPU for a ``meta`` model), tied
-    parameters still tied; ``model`` itself is not changed and no data is copied."""
+    parameters still tied; ``model`` itself is not changed and no data is copied. A bitsandbytes weight
+    (``Params4bit``, ``Int8Params``) becomes a fake parameter of its quantised storage carrying its quantisation
+    state (quantised here, on fake tensors, if it is not yet: a ``meta`` one)."""
     memo: dict[int, Any] = {}
+    if any(type(p).__name__ == "Params4bit" and getattr(p, "compress_statistics", False) for p in model.parameters()):
+        import bitsandbytes as bnb
+
+        # Double quantisation uses one code bitsandbytes builds from Python numbers at its first use and caches: a
+        # fake tensor has no numbers, so it is built here, from a real block of 64 zeros.
+        bnb.functional.quantize_4bit(torch.zeros(64), compress_statistics=True)
     with mode:
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         for _, t in named:
             if id(t) in memo:
                 continue
+            quantized = _fake_quantized(t)
+            if quantized is not None:
+                memo[id(t)] = quantized
+                continue
             data = torch.empty_like(t, device="cpu" if t.device.type == "meta" else t.device)
             memo[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+        for module in model.modules():  # a 4-bit layer's copy of its weight's state: the same object
+            state = getattr(module, "quant_state", None)
+            if state is not None:
+                memo[id(state)] = state
         return copy.deepcopy(model, memo)
+
+
+#: The attributes of a bitsandbytes weight that its layer reads in forward, kept on its fake copy.
+_QUANT_ATTRS = ("quant_state", "SCB", "has_fp16_weights", "bnb_quantized", "blocksize", "quant_type", "quant_storage")
+
+
+def _fake_quantized(t: Any) -> torch.nn.Parameter | None:
+    """The fake copy of a bitsandbytes weight (inside the fake mode), or ``None`` for any other tensor.
+
+    A 4-bit weight not yet quantised is quantised with ``bitsandbytes.functional.quantize_4bit`` on a fake tensor
+    of its shape (bitsandbytes' fake kernels give the packed data and the quantisation state, ``absmax`` and the
+    nested state of double quantisation, their real shapes); an 8-bit one with ``int8_vectorwise_quant`` (the
+    ``int8`` rows and their float32 scales ``SCB``), as ``Params4bit._quantize`` / ``Int8Params._quantize`` do."""
+    kind = type(t).__name__
+    state = getattr(t, "quant_state", None)
+    if kind != "Params4bit" and state is None and not (kind == "Int8Params" or hasattr(t, "SCB")):
+        return None
+    import bitsandbytes as bnb
+
+    attrs = {name: getattr(t, name) for name in _QUANT_ATTRS if hasattr(t, name)}
+    if kind == "Params4bit" and not t.bnb_quantized:
+        data, attrs["quant_state"] = bnb.functional.quantize_4bit(
+            torch.empty(t.shape, dtype=t.dtype),
+            blocksize=t.blocksize,
+            compress_statistics=t.compress_statistics,
+            quant_type=t.quant_type,
+            quant_storage=t.quant_storage,
+        )
+        attrs["bnb_quantized"] = True
+    elif "SCB" in attrs and t.dtype != torch.int8:
+        data, attrs["SCB"], _ = bnb.functional.int8_vectorwise_quant(torch.empty(t.shape, dtype=torch.float16))
+    else:
+        data = torch.empty_like(t, device="cpu" if t.device.type == "meta" else t.device)
+    param = torch.nn.Parameter(data, False)
+    for name, value in attrs.items():
+        setattr(param, name, value)
+    if "SCB" in attrs:
+        param.CB = data  # type: ignore[attr-defined]  # Linear8bitLt reads the int8 rows from weight.CB
+    return param
+
+
+def quantization_state_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the quantisation state of ``model``'s bitsandbytes weights, which are neither parameters nor
+    buffers: a 4-bit weight's ``absmax`` and code (with double quantisation its ``uint8`` absmax, the nested absmax,
+    code and offset), an 8-bit weight's row scales ``SCB``; each storage once."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        tensors: list[Any] = [getattr(p, "SCB", None)]
+        while state is not None:
+            tensors += [state.absmax, state.code, getattr(state, "offset", None)]
+            state = getattr(state, "state2", None) if getattr(state, "nested", False) else None
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+                seen.add(t.untyped_storage()._cdata)
+                total += t.untyped_storage().nbytes()
+    return total

@@ -60,6 +60,12 @@ def parser() -> Any:
         default=True,
         help="attention keeps no seq_len^2 matrix (as CUDA's fused kernels)",
     )
+    sub.add_argument(
+        "--peft",
+        type=dict[str, Any] | bool | None,
+        default=None,
+        help="the peft plugin's settings, e.g. '{r: 8, load_in_4bit: true}' (default: a run config's; false: none)",
+    )
     sub.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return sub
 
@@ -80,6 +86,7 @@ def run(parser: Any, cfg: Any) -> int:
         effective_batch_size=cfg.effective_batch_size,
         architecture=cfg.architecture,
         fused_attention=cfg.fused_attention,
+        peft=cfg.peft,
     )
     print(json.dumps(estimate.to_dict(), indent=2) if cfg.json else estimate.table())
     return 0
