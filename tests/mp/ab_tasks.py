@@ -26,7 +26,7 @@ VOCAB, LENGTH = 11, 9
 class Fault:
     """Where and when `torch.OutOfMemoryError` is raised (see the module docstring)."""
 
-    phase: str = "forward"  # forward | backward | step
+    phase: str = "forward"  # forward | backward | step | late step (after optimizer.step() updated)
     ranks: tuple[int, ...] = (0,)
     above: int = 2
     from_step: int = 0
@@ -94,6 +94,8 @@ class FaultyAdamW(torch.optim.AdamW):
         if m.fault is not None:
             m.fault.check("step", m.rows, m, m.steps)
         result = super().step(closure)
+        if m.fault is not None:  # after updating: the optimizer state has moved (a step that cannot be redone)
+            m.fault.check("late step", m.rows, m, m.steps)
         m.steps += 1
         return result
 
