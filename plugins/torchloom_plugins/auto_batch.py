@@ -391,9 +391,12 @@ class AutoBatch(torchloom.Plugin):
         current, where = self.micro_batch_size, ", ".join(f"rank {r} ({p})" for r, p in sorted(phases.items()))
         step = progress.global_step + 1
         if not redoable:
+            updated = sorted(set(range(accelerator.num_processes)) - set(phases)) + sorted(
+                r for r, p in phases.items() if p != "step"
+            )
             raise torchloom.ConfigError(
-                f"plugin 'auto_batch': out of memory in the optimizer step of step {step} on {where}, after some "
-                "process had already updated its parameters (or under the fp16 loss scaler): the window cannot be "
+                f"plugin 'auto_batch': out of memory in the optimizer step of step {step} on {where}, after "
+                f"rank(s) {', '.join(map(str, sorted(updated)))} had updated their parameters: the window cannot be "
                 "redone exactly. Start with a smaller micro_batch_size, free memory for the optimizer state "
                 "(e.g. the optimizer plugin's adamw8bit), or use the planner (torchloom estimate-memory --budget)"
             )
