@@ -231,6 +231,7 @@ class AutoBatch(torchloom.Plugin):
         self._loaded = False  # load_state_dict ran: a resume continues with the saved size
         self._seq_len: int | None = None  # tokens per row of the first batch (input_ids), for the planner
         self._phase = "forward"  # where the current piece is
+        self._count_checked = False  # a batch's num_items was checked to be its labels' loss-token count
 
     # ------------------------------------------------------------------------------------ state
 
@@ -291,7 +292,7 @@ class AutoBatch(torchloom.Plugin):
         """One batch as pieces of `micro_batch_size` rows, then the optimizer step (`WindowOutOfMemory` on every
         process when any ran out of memory)."""
         assert self.micro_batch_size is not None
-        pieces = split_batch(batch, rows, self.micro_batch_size)
+        pieces = self._pieces(batch, rows)
         several = accelerator.num_processes > 1
         outputs: list[dict[str, Any]] = []
         for piece in pieces:
@@ -311,6 +312,31 @@ class AutoBatch(torchloom.Plugin):
             hooks.optimizer_step(model, optimizer, scheduler, accelerator, progress, agree_out_of_memory=True)
         hooks.log("train/micro_batch_size", float(self.micro_batch_size), reduce="last")
         return _combined(outputs)
+
+    def _pieces(self, batch: Any, rows: int) -> list[Any]:
+        """`split_batch`, with a batch's own 0-dim ``num_items`` (torchloom's causal-LM batches) counted again for
+        each piece as the collator counts it, ``(labels[..., 1:] != -100).sum()``: the whole batch's count would
+        weigh every piece as the whole batch. Checked once, on the first batch (one sync), that the batch's count is
+        that one."""
+        assert self.micro_batch_size is not None
+        pieces = split_batch(batch, rows, self.micro_batch_size)
+        count = batch.get("num_items") if isinstance(batch, Mapping) else None
+        if not (isinstance(count, torch.Tensor) and count.ndim == 0):
+            return pieces
+        labels = batch.get("labels")
+        if not self._count_checked:
+            recount = None if not isinstance(labels, torch.Tensor) else _loss_tokens(labels)
+            if recount is None or not bool((recount == count).item()):
+                raise torchloom.ConfigError(
+                    "plugin 'auto_batch': the batch's 'num_items' is not (labels[..., 1:] != -100).sum() of its "
+                    "'labels' (torchloom's causal-LM batches), so it cannot be counted again for each micro-batch; "
+                    "count the items in training_step from the micro-batch it gets, or leave them out of the batch"
+                )
+            self._count_checked = True
+        if len(pieces) > 1:
+            for piece in pieces:
+                piece["num_items"] = _loss_tokens(piece["labels"])
+        return pieces
 
     def _piece(self, task, accelerator, piece, count, progress, hooks) -> dict[str, Any]:
         """Forward and backward of one piece of ``count``; its outputs, with the raw loss detached."""
@@ -439,6 +465,11 @@ class AutoBatch(torchloom.Plugin):
             f"gradients {fmt(row.gradients)}, optimizer state {fmt(row.optimizer_state)}, activations "
             f"{fmt(row.activations)})."
         )
+
+
+def _loss_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Transformers' causal-LM loss tokens (its loss shifts the labels by one), as torchloom's collator counts."""
+    return (labels[..., 1:] != -100).sum()
 
 
 def _seq_len(batch: Any) -> int | None:

@@ -228,3 +228,90 @@ def fit(task: torchloom.TaskModule, plugins: list[Any], out: str, **settings: An
 
 def finite(values: list[float]) -> bool:
     return all(math.isfinite(v) for v in values)
+
+
+# ------------------------------------------------------------------------- a packed causal LM (transformers)
+
+PACKED_LENGTH, PACKED_VOCAB = 16, 32
+
+
+def packed_rows(n: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` packed rows of ``PACKED_LENGTH`` tokens, as torchloom's causal-LM collator lays them out: 2 to 4
+    sequences per row, ``position_ids`` restarting at each, the first label of each sequence -100 (and some more),
+    so that the rows have uneven loss-token counts."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(n):
+        cuts = sorted(torch.randperm(PACKED_LENGTH - 2, generator=g)[: int(torch.randint(1, 4, (1,), generator=g))])
+        starts = [0, *(int(c) + 1 for c in cuts)]
+        ids = torch.randint(1, PACKED_VOCAB, (PACKED_LENGTH,), generator=g)
+        labels = ids.clone()
+        labels[torch.rand(PACKED_LENGTH, generator=g) < 0.3] = -100
+        positions = torch.zeros(PACKED_LENGTH, dtype=torch.long)
+        for i, start in enumerate(starts):
+            stop = starts[i + 1] if i + 1 < len(starts) else PACKED_LENGTH
+            labels[start] = -100
+            positions[start:stop] = torch.arange(stop - start)
+        rows.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+    return rows
+
+
+def collate_packed(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    batch["num_items"] = (batch["labels"][..., 1:] != -100).sum()  # torchloom.data.packing.count_loss_tokens
+    return batch
+
+
+class PackedLM(torchloom.TaskModule):
+    """A tiny Llama (2 layers, float32, fixed seed) on `packed_rows`, the loss the model's mean over the batch's
+    loss tokens with ``num_items`` from the batch (as torchloom's causal-LM data gives it), SGD with momentum, a
+    decaying LR."""
+
+    def __init__(self, batch_size: int, n: int = 16, lr: float = 0.5) -> None:
+        super().__init__()
+        self.batch_size, self.n, self.lr = batch_size, n, lr
+
+    def configure_model(self) -> torch.nn.Module:
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=PACKED_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa",
+            use_cache=False,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM(config).float()
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        num_items = batch.pop("num_items")
+        return {"loss": self.model(**batch).loss, "num_items": num_items}
+
+    def configure_optimizers(self) -> Any:
+        # SGD: a gradient off by a factor shows in the parameters (AdamW would normalise most of it away)
+        opt = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=self.lr, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lambda(20))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(packed_rows(self.n), batch_size=self.batch_size, collate_fn=collate_packed)
+
+
+class FaultPlugin:
+    """Injects `Fault` into any model: a forward pre-hook on the unwrapped model (the rows of its ``input_ids``)
+    and the optimizer steps counted after each one."""
+
+    name = "test.fault"
+
+    def __init__(self, fault: Fault) -> None:
+        self.fault, self.steps = fault, 0
+
+    @torchloom.hookimpl
+    def on_fit_start(self, accelerator: Any, model: Any) -> None:
+        def check(module: Any, args: Any, kwargs: Any) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.fault.check("forward", int(ids.shape[0]), module, self.steps)
+
+        accelerator.unwrap_model(model).register_forward_pre_hook(check, with_kwargs=True)
+
+    @torchloom.hookimpl
+    def after_optimizer_step(self) -> None:
+        self.steps += 1

@@ -233,3 +233,54 @@ def _probe():
     from ab_tasks import StepProbe
 
     return StepProbe()
+
+
+# ------------------------------------------------------------------------------------------ combinations
+
+COMBINATIONS = {
+    "packed": [],
+    "bf16": [{"mixed_precision": {"dtype": "bf16"}}],
+    "grad_checkpoint": [{"grad_checkpoint": {}}],
+    "peft": [{"peft": {"r": 4, "target_modules": ["q_proj", "v_proj"]}}],
+}
+SLOW = {"bf16", "peft"}  # 15 s and 9 s on a CPU core
+
+
+@pytest.mark.parametrize(
+    "combination", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in sorted(COMBINATIONS)]
+)
+def test_a_packed_causal_lm_backs_off_exactly_with(tmp_path, combination):
+    """A tiny Llama on packed rows with the batch's own num_items (counted again for each piece), grad_accum's
+    token normalisation, and ``combination``: micro-batch 4 of 4 runs out of memory at the first forward (above 1
+    row) and goes down to 1 (so that every step runs the reference's pieces: bf16 rounds a forward of 4 rows
+    otherwise than 4 of 1); equal to grad_accum(steps=4) over batches of 1 with the same plugins."""
+    from ab_tasks import FaultPlugin, PackedLM
+
+    fault = Fault(phase="forward", above=1)
+    extra = COMBINATIONS[combination]
+    plugins = [{"auto_batch": {}}, {"grad_accum": {"normalization": "tokens"}}, *extra, FaultPlugin(fault)]
+    engine, probe = _fit_quiet(PackedLM(4), plugins, str(tmp_path / "auto"), max_epochs=1)
+    reference = [{"grad_accum": {"steps": 4, "normalization": "tokens"}}, *extra]
+    ref_engine, ref = _fit_quiet(PackedLM(1), reference, str(tmp_path / "ref"), max_epochs=1)
+    assert [f[2] for f in fault.raised] == [4, 2]
+    assert engine.progress.global_step == ref_engine.progress.global_step == 4
+    assert probe.lrs == ref.lrs
+    assert max_difference(probe.params, ref.params) < 1e-6
+
+
+def test_a_batch_count_that_is_not_the_labels_loss_tokens_is_an_error(tmp_path):
+    """A batch's own num_items is counted again per piece only when it is its labels' loss-token count."""
+    from ab_tasks import PackedLM, collate_packed
+
+    class OtherCount(PackedLM):
+        def train_dataloader(self):
+            def collate(rows):
+                batch = collate_packed(rows)
+                batch["num_items"] = batch["num_items"] + 1  # not what the model's loss averages over
+                return batch
+
+            return torch.utils.data.DataLoader(super().train_dataloader().dataset, batch_size=4, collate_fn=collate)
+
+    plugins = [{"auto_batch": {"micro_batch_size": 2}}, {"grad_accum": {"normalization": "tokens"}}]
+    with pytest.raises(torchloom.ConfigError, match=r"'num_items' is not \(labels\[\.\.\., 1:\] != -100\)\.sum\(\)"):
+        _fit_quiet(OtherCount(4), plugins, str(tmp_path), max_epochs=1)
