@@ -65,8 +65,8 @@ class AutoBatchConfig:
         micro_batch_size (`int`, *optional*): the micro-batch (rows per forward, per process) to start from; a
             divisor of the dataloader's batch size. ``None``: the memory planner's suggestion for the device's
             memory (CUDA) or for ``budget``, else the whole batch.
-        budget (`str`, *optional*): memory per process the planner's suggestion must fit, as ``"20GiB"`` or a number
-            of bytes; ``None``: the device's total memory on CUDA, and no planner on other devices.
+        budget (`int` or `str`, *optional*): memory per process the planner's suggestion must fit, as ``"20GiB"``
+            or a number of bytes; ``None``: the device's total memory on CUDA, and no planner on other devices.
         max_retries (`int`, defaults to 8): back-offs allowed in one fit (each halves the micro-batch at least); one
             more out-of-memory error is an error.
         effective_batch_size (`int`, *optional*): samples per optimizer step over all processes, checked against
@@ -77,7 +77,7 @@ class AutoBatchConfig:
     """
 
     micro_batch_size: int | None = None  # rows per forward per process to start from; None: planner, else batch
-    budget: str | None = None  # memory per process for the planner ("20GiB"); None: the CUDA device's memory
+    budget: int | str | None = None  # memory per process for the planner ("20GiB"); None: the CUDA device's memory
     max_retries: int = 8  # back-offs allowed in one fit, >= 0
     effective_batch_size: int | None = None  # samples per optimizer step over all processes (checked)
 

@@ -284,3 +284,25 @@ def test_a_batch_count_that_is_not_the_labels_loss_tokens_is_an_error(tmp_path):
     plugins = [{"auto_batch": {"micro_batch_size": 2}}, {"grad_accum": {"normalization": "tokens"}}]
     with pytest.raises(torchloom.ConfigError, match=r"'num_items' is not \(labels\[\.\.\., 1:\] != -100\)\.sum\(\)"):
         _fit_quiet(OtherCount(4), plugins, str(tmp_path), max_epochs=1)
+
+
+@pytest.mark.slow  # two traces of the planner and a fit: about 15 s on a CPU core
+def test_without_a_size_the_start_is_the_planners_suggestion_for_the_budget(tmp_path):
+    """A budget between the planner's totals at micro-batches 2 and 4 (of a batch of 8): the fit starts at 2, the
+    size `torchloom.estimate_memory` suggests for it, and says so."""
+    from ab_tasks import PackedLM
+
+    model = PackedLM(8).configure_model()
+    totals = {
+        m: torchloom.estimate_memory(model, batch_size=m, seq_len=16, grad_checkpoint=False).rows[0].total
+        for m in (2, 4)
+    }
+    budget = (totals[2] + totals[4]) // 2
+    planned = torchloom.estimate_memory(
+        model, batch_size=1, seq_len=16, grad_checkpoint=False, budget=budget, effective_batch_size=8
+    )
+    assert planned.rows[0].suggestion.micro_batch_size == 2
+    plugins = [{"auto_batch": {"budget": budget}}, {"grad_accum": {"normalization": "tokens"}}]
+    with pytest.warns(UserWarning, match=r"auto_batch: micro-batch 2 x accumulation 4 .* \(the planner's suggestion"):
+        engine, _ = fit(PackedLM(8), plugins, str(tmp_path), max_epochs=1)
+    assert _micro_sizes(engine) == [2.0, 2.0]
