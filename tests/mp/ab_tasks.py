@@ -215,14 +215,17 @@ def max_difference(a: dict[str, list[float]], b: dict[str, list[float]]) -> floa
     return max(max(abs(x - y) for x, y in zip(a[k], b[k], strict=True)) for k in a)
 
 
-def fit(task: torchloom.TaskModule, plugins: list[Any], out: str, **settings: Any) -> tuple[Any, StepProbe]:
-    """Fit ``task`` with ``plugins`` and a `StepProbe`; return the engine and the probe."""
+def fit(
+    task: torchloom.TaskModule, plugins: list[Any], out: str, ckpt_path: str | None = None, **settings: Any
+) -> tuple[Any, StepProbe]:
+    """Fit ``task`` with ``plugins`` and a `StepProbe` (from ``ckpt_path``, if given); return the engine and the
+    probe."""
     probe = StepProbe()
     settings.setdefault("max_epochs", 2)
     engine = torchloom.Engine(
         plugins=[*plugins, probe], log_every_n_steps=1, output_dir=out, default_plugins=False, **settings
     )
-    engine.fit(task)
+    engine.fit(task, ckpt_path=ckpt_path)
     return engine, probe
 
 

@@ -60,6 +60,26 @@ for case, (Task, fault_settings, settings, normalization) in CASES.items():
         entry.update(ref_params=ref.params, ref_lrs=ref.lrs, ref_global_step=ref_engine.progress.global_step)
     entry["raised"] = fault.raised
     result[case] = entry
+# A resume after a back-off: rank 1 backs off to 2 at step 2, a checkpoint at step 4; the resumed fit (the fault
+# still there) continues at 2 with no new error and ends with the uninterrupted fit's parameters, bit for bit.
+ckpt = {"checkpoint": {"every_n_steps": 4, "every_n_epochs": None, "keep_last": None}}
+fault_settings = {"phase": "backward", "ranks": (1,), "above": 2, "from_step": 1}
+whole_fault, resumed_fault = Fault(**fault_settings), Fault(**fault_settings)
+whole, whole_probe = fit(Regression(8, n=64, fault=whole_fault), [{"auto_batch": {}}, ckpt], str(out / "whole"))
+path = str(Path(whole.run_dir) / "checkpoints" / "step-00000004")
+resumed, resumed_probe = fit(
+    Regression(8, n=64, fault=resumed_fault), [{"auto_batch": {}}, ckpt], str(out / "resumed"), ckpt_path=path
+)
+result["resume"] = {
+    "whole_params": whole_probe.params,
+    "resumed_params": resumed_probe.params,
+    "whole_lrs": whole_probe.lrs,
+    "resumed_lrs": resumed_probe.lrs,
+    "whole_raised": whole_fault.raised,
+    "resumed_raised": resumed_fault.raised,
+    "resumed_micro": [r["train/micro_batch_size"] for r in resumed.history if "train/micro_batch_size" in r],
+    "global_steps": [whole.progress.global_step, resumed.progress.global_step],
+}
 rank = torch.distributed.get_rank()
 (out / f"result-{rank}.json").write_text(json.dumps({"rank": rank, **result}))
 torch.distributed.barrier()

@@ -3,7 +3,7 @@ window, on rank 1 only at a forward, on both ranks, in the optimizer step on bot
 lengths per rank. Each ends with the parameters (1e-6, float32), the optimizer steps and the learning rates of a
 grad_accum run that used the final micro-batch from the start, the same on both ranks; no rank is left in a
 collective (the launch would hang and fail). An error in the optimizer step of one rank, which the other has
-taken, is one error on both ranks."""
+taken, is one error on both ranks. A resume after a back-off continues with the saved size, bitwise."""
 
 from __future__ import annotations
 
@@ -60,3 +60,14 @@ def test_an_error_in_one_ranks_optimizer_step_is_one_error_on_both(results):
         "parameters: the window cannot be redone exactly" in messages[0]
     )
     assert [rank["rank0_step"]["raised"] for rank in results] == [[[1, "step", 8]], []]
+
+
+def test_a_resume_after_a_back_off_on_two_processes_is_exact(results):
+    for rank in results:
+        entry = rank["resume"]
+        assert entry["global_steps"] == [8, 8]
+        assert entry["resumed_params"] == entry["whole_params"]  # bitwise
+        assert entry["resumed_lrs"] == entry["whole_lrs"][4:]
+        assert entry["resumed_raised"] == []  # the checkpoint's size, 2, from the first resumed step
+        assert entry["resumed_micro"][-4:] == [2.0] * 4
+    assert [r["resume"]["whole_raised"] for r in results] == [[], [[1, "backward", 8], [1, "backward", 4]]]
