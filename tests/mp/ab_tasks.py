@@ -26,7 +26,9 @@ VOCAB, LENGTH = 11, 9
 class Fault:
     """Where and when `torch.OutOfMemoryError` is raised (see the module docstring)."""
 
-    phase: str = "forward"  # forward | backward | step | late step (after optimizer.step() updated)
+    # forward | backward | step | late step (after optimizer.step() updated) | cpu allocator (a real allocation in
+    # the forward that the CPU allocator refuses: its RuntimeError, not an injected exception)
+    phase: str = "forward"
     ranks: tuple[int, ...] = (0,)
     above: int = 2
     from_step: int = 0
@@ -35,11 +37,14 @@ class Fault:
 
     def check(self, phase: str, rows: int, model: torch.nn.Module, steps: int) -> None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if phase != self.phase or rank not in self.ranks or rows <= self.above or steps < self.from_step:
+        real = self.phase == "cpu allocator" and phase == "forward"
+        if (phase != self.phase and not real) or rank not in self.ranks or rows <= self.above or steps < self.from_step:
             return
         if self.with_grads and all(p.grad is None for p in model.parameters()):
             return
-        self.raised.append((steps, phase, rows))
+        self.raised.append((steps, self.phase, rows))
+        if real:  # no injection: an allocation the CPU allocator refuses, 2**47 bytes per row (a RuntimeError)
+            torch.empty(rows * 2**47, dtype=torch.uint8)
         raise torch.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate 2.00 GiB (injected: {rows} rows > {self.above} in {phase})"
         )

@@ -95,6 +95,17 @@ def test_back_off_equals_a_run_with_the_final_micro_batch_from_the_start(tmp_pat
     ]
 
 
+def test_the_cpu_allocators_own_error_is_backed_off_from(tmp_path):
+    """No injected exception: the forward asks the CPU allocator for 2**47 bytes per row above 2 rows, and its
+    ``RuntimeError: ... DefaultCPUAllocator: can't allocate memory`` is what the plugin recovers from."""
+    fault = Fault(phase="cpu allocator", above=2, from_step=1)
+    engine, probe = _fit_quiet(Regression(8, fault=fault), [{"auto_batch": {}}], str(tmp_path / "auto"))
+    _, ref = fit(Regression(2), [{"grad_accum": {"steps": 4}}], str(tmp_path / "ref"))
+    assert fault.raised == [(1, "cpu allocator", 8), (1, "cpu allocator", 4)]
+    assert max_difference(probe.params, ref.params) < 1e-6 and probe.lrs == ref.lrs
+    assert _micro_sizes(engine) == [8.0] + [2.0] * 15
+
+
 def test_an_error_in_the_middle_of_a_window_discards_its_first_pieces(tmp_path):
     """Micro-batch 4 of 8: the second piece's backward runs out of memory once the first piece's gradients exist;
     the redo from zeroed gradients equals micro-batch 2 from the start."""
@@ -155,6 +166,20 @@ def test_a_broken_discard_fails_the_comparison(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ bounds
+
+
+def test_max_retries_0_makes_the_first_error_final(tmp_path):
+    fault = Fault(phase="forward", above=4)
+    with pytest.raises(torchloom.ConfigError, match=r"micro-batch 8, after max_retries = 0 back-off\(s\)"):
+        _fit_quiet(Regression(8, fault=fault), [{"auto_batch": {"max_retries": 0}}], str(tmp_path))
+
+
+def test_a_start_at_micro_batch_1_and_an_effective_batch_that_matches(tmp_path):
+    plugins = [{"auto_batch": {"micro_batch_size": 1, "effective_batch_size": 8}}]
+    engine, probe = _fit_quiet(Regression(8), plugins, str(tmp_path / "auto"), max_epochs=1)
+    _, ref = fit(Regression(1), [{"grad_accum": {"steps": 8}}], str(tmp_path / "ref"), max_epochs=1)
+    assert _micro_sizes(engine) == [1.0] * 8
+    assert max_difference(probe.params, ref.params) < 1e-6 and probe.lrs == ref.lrs
 
 
 def test_max_retries_caps_the_back_offs(tmp_path):
