@@ -164,11 +164,11 @@ def average_gradients(parameters: list[torch.nn.Parameter], world_size: int) -> 
     def flush() -> None:
         if not bucket:
             return
-        flat = torch._utils._flatten_dense_tensors(bucket)
+        flat = torch.cat([grad.reshape(-1) for grad in bucket])
         dist.all_reduce(flat)
         flat.div_(world_size)
-        for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket), strict=True):
-            grad.copy_(reduced)
+        for grad, reduced in zip(bucket, torch.split(flat, [grad.numel() for grad in bucket]), strict=True):
+            grad.copy_(reduced.view_as(grad))
         bucket.clear()
 
     for p in parameters:
