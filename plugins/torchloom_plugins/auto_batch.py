@@ -301,6 +301,8 @@ class AutoBatch(torchloom.Plugin):
                 try:
                     outputs.append(self._piece(task, accelerator, piece, len(pieces), progress, hooks))
                     failed = None
+                    if len(outputs) > 1:  # of the pieces before the last, only what _combined reads is kept
+                        outputs[-2] = {k: outputs[-2][k] for k in ("loss", "num_items") if k in outputs[-2]}
                 except Exception as exc:  # not kept: the frames of an out-of-memory error hold the activations
                     if not torchloom.is_out_of_memory(exc):
                         raise
