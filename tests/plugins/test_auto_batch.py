@@ -106,6 +106,19 @@ def test_the_cpu_allocators_own_error_is_backed_off_from(tmp_path):
     assert _micro_sizes(engine) == [8.0] + [2.0] * 15
 
 
+def test_clipping_sees_the_whole_batchs_gradient_once_per_step(tmp_path):
+    """grad_clip (a small max_norm: every step clips) runs once per optimizer step on the averaged gradient of all
+    the pieces, after a back-off too: the clipped updates and the logged norms are the reference's."""
+    fault = Fault(phase="backward", above=2, from_step=2)
+    clip = {"grad_clip": {"max_norm": 0.05}}
+    engine, probe = _fit_quiet(Regression(8, fault=fault), [{"auto_batch": {}}, clip], str(tmp_path / "auto"))
+    ref_engine, ref = fit(Regression(2), [{"grad_accum": {"steps": 4}}, clip], str(tmp_path / "ref"))
+    norms = [r["grad_norm"] for r in engine.history if "grad_norm" in r]
+    assert len(norms) == 16 and min(norms[2:]) > 0.05  # every step clipped
+    assert norms == pytest.approx([r["grad_norm"] for r in ref_engine.history if "grad_norm" in r], rel=1e-5)
+    assert max_difference(probe.params, ref.params) < 1e-6 and probe.lrs == ref.lrs
+
+
 def test_an_error_in_the_middle_of_a_window_discards_its_first_pieces(tmp_path):
     """Micro-batch 4 of 8: the second piece's backward runs out of memory once the first piece's gradients exist;
     the redo from zeroed gradients equals micro-batch 2 from the start."""
