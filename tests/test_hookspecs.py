@@ -142,7 +142,27 @@ def _fire_everything(tmp_path) -> tuple[list[str], list[str]]:
     failing = torchloom.Engine(plugins=[rec], output_dir=str(tmp_path / "fail"))
     with pytest.raises(RuntimeError, match="boom"):
         failing.fit(Failing(n=8, batch_size=4))
+    torchloom.Engine(plugins=[rec, DiscardOnce()], output_dir=str(tmp_path / "discard")).fit(
+        TinyTask(n=8, batch_size=4)
+    )
     return fit_calls, rec.calls
+
+
+class DiscardOnce:
+    """Discards the first micro-batch's (empty) window before the default step runs it: a step's redo, as the
+    ``auto_batch`` plugin does after an out-of-memory error (``StepHooks.discard_window``)."""
+
+    name = "test.discard_once"
+
+    def __init__(self) -> None:
+        self.done = False
+
+    @torchloom.hookimpl(wrapper=True)
+    def run_train_step(self, optimizer, accelerator, progress, hooks):
+        if not self.done:
+            self.done = True
+            hooks.discard_window(optimizer, accelerator, progress)
+        return (yield)
 
 
 def test_every_hook_is_fired(tmp_path):
@@ -161,6 +181,7 @@ def test_documented_firing_order_matches_a_fit(tmp_path):
     # on_exception comes only from a failing fit, between on_train_epoch_end and on_fit_end
     assert listed.index("on_train_epoch_end") < listed.index("on_exception") < listed.index("on_fit_end")
     listed.remove("on_exception")
+    listed.remove("after_window_discard")  # only a step that redoes its window fires it (a discarding fit)
     first_seen: list[str] = []
     for name in _fire_everything(tmp_path)[0]:
         if name not in first_seen:
@@ -182,6 +203,7 @@ FIRED_IN = {
     "on_train_batch_start": {"fit", "failing fit"},
     "run_train_step": {"fit", "failing fit"},
     "before_backward": {"fit"},  # the failing training_step raises before it
+    "after_window_discard": {"fit"},  # DiscardOnce's redo of the first micro-batch
     "before_optimizer_step": {"fit"},
     "after_optimizer_step": {"fit"},
     "on_train_batch_end": {"fit"},
@@ -215,7 +237,9 @@ def fired_in(tmp_path_factory) -> dict[str, set[str]]:
             seen.setdefault(name, set()).add(call)
         rec.records.clear()
 
-    engine = torchloom.Engine(plugins=[rec], log_every_n_steps=1, save_model=True, output_dir=str(tmp / "ok"))
+    engine = torchloom.Engine(
+        plugins=[rec, DiscardOnce()], log_every_n_steps=1, save_model=True, output_dir=str(tmp / "ok")
+    )
     task = TinyTask(n=8, batch_size=4)
     engine.fit(task)
     mark("fit")

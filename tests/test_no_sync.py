@@ -78,14 +78,27 @@ def reads(monkeypatch):
     return where, found
 
 
-def test_no_plugin_reads_a_tensor_on_the_host_between_logging_steps(tmp_path, reads):
+#: 8 samples per optimizer step: grad_accum's 2 batches of 4, or auto_batch's batch of 8 in 4 pieces of 2 (with its
+#: out-of-memory agreement after each piece and in the optimizer step).
+ACCUMULATION = {
+    "grad_accum": (4, {"grad_accum": {"steps": 2}}),
+    "auto_batch": (8, {"auto_batch": {"micro_batch_size": 2}}),
+}
+
+
+@pytest.mark.parametrize(
+    "accumulation",
+    ["grad_accum", pytest.param("auto_batch", marks=pytest.mark.slow)],  # 25 s each on a CPU core
+)
+def test_no_plugin_reads_a_tensor_on_the_host_between_logging_steps(tmp_path, reads, accumulation):
     where, found = reads
     g = torch.Generator().manual_seed(0)
     x = torch.randn(320, 8, generator=g)
-    data = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=4)
+    batch_size, accumulating = ACCUMULATION[accumulation]
+    data = DataLoader(TensorDataset(x, (x.sum(1) > 0).long()), batch_size=batch_size)
     val = DataLoader(TensorDataset(x[:32], (x[:32].sum(1) > 0).long()), batch_size=8)
     plugins = {
-        "grad_accum": {"steps": 2},
+        **accumulating,
         "grad_checkpoint": {"modules": ["0", "2"]},
         "grad_clip": {"max_norm": 1.0},
         "mixed_precision": {"dtype": "bf16"},

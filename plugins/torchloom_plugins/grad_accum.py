@@ -22,8 +22,9 @@ Method card
 
 - **Hooks:** ``configure_accelerator`` (the Accelerator setting), ``run_train_step`` (wrapper: the
   ``accumulate`` context; removes a micro-batch's gradient hooks), ``before_backward`` (token-sum loss, or the
-  gradient hooks of a 16-bit loss), ``before_optimizer_step`` (``tryfirst``:
-  the window rescale, so that clipping and every other plugin see the final gradients).
+  gradient hooks of a 16-bit loss; marks the loss ``loss_reduction="sum"``), ``before_optimizer_step``
+  (``tryfirst``: the window rescale, so that clipping and every other plugin see the final gradients),
+  ``after_window_discard`` (a step that redoes its window, ``auto_batch``: the count starts again).
 - **Epoch shorter than ``steps``:** the window is flushed at the end of every epoch (Accelerate's
   ``sync_with_dataloader`` behaviour), scaled by its real size, and a ``UserWarning`` says so once per fit.
 - **Sources:** huggingface/transformers PR #34191 and blog PR #2414 (token-count normalisation over the
@@ -209,9 +210,7 @@ class GradientAccumulation(torchloom.Plugin):
                 outputs = yield
             finally:
                 self._model = None
-                for handle in self._count_hooks:
-                    handle.remove()
-                self._count_hooks = []
+                self._remove_count_hooks()
         if accelerator.sync_gradients:
             if self._micro_batches < self.config.steps and progress.batch_idx + 1 < self.config.steps:
                 self._warn_short_epoch(accelerator, progress.batch_idx + 1)
@@ -232,6 +231,10 @@ class GradientAccumulation(torchloom.Plugin):
         if isinstance(count, torch.Tensor):  # stays on its device: no sync
             count = count.to(device=loss.device, dtype=torch.float64 if loss.device.type != "mps" else torch.float32)
         # (a Python number stays one: no host-to-device copy per micro-batch; one per window, at the rescale)
+        # A step that runs several pieces of a batch in one run_train_step (auto_batch) calls this once per piece:
+        # the hooks of the piece before are done with (its backward ran) and must not multiply this one's.
+        self._remove_count_hooks()
+        outputs["loss_reduction"] = "sum"  # the window's count divides it (before_optimizer_step), not the pieces
         if torch.finfo(loss.dtype).bits >= 32 or self._model is None:
             outputs["loss"] = _times(count, loss)  # mean -> sum over this micro-batch's items, exact in float32
         else:
@@ -242,6 +245,19 @@ class GradientAccumulation(torchloom.Plugin):
                 p.register_hook(functools.partial(_times, count)) for p in self._model.parameters() if p.requires_grad
             ]
         self._num_items = count if self._num_items is None else self._num_items + count
+
+    def _remove_count_hooks(self) -> None:
+        for handle in self._count_hooks:
+            handle.remove()
+        self._count_hooks = []
+
+    @torchloom.hookimpl
+    def after_window_discard(self) -> None:
+        # The window's gradients were dropped to redo it from the current micro-batch (auto_batch, after an
+        # out-of-memory error): its item count starts again, and only this micro-batch is in it.
+        self._remove_count_hooks()
+        self._num_items = None
+        self._micro_batches = 1 if self._micro_batches else 0
 
     @torchloom.hookimpl(tryfirst=True)
     def before_optimizer_step(self, model: torch.nn.Module, accelerator) -> None:

@@ -37,6 +37,7 @@ _EXPORTS = {
     "TaskModule": "torchloom.module",
     "TorchloomError": "torchloom.errors",
     "TrainingInterrupted": "torchloom.errors",
+    "WindowOutOfMemory": "torchloom.step",
     "build_config": "torchloom.plugins",
     "closest_name": "torchloom._suggest",
     "convert_hf_args": "torchloom._hf_args",
@@ -51,6 +52,7 @@ _EXPORTS = {
     "hookspec": "torchloom.hookspecs",
     "inspect_path": "torchloom._inspect",
     "installed_plugins": "torchloom.plugins",
+    "is_out_of_memory": "torchloom.step",
     "is_terminal": "torchloom._output",
     "json_dumps": "torchloom._strict_json",
     "optimizer_state_bytes": "torchloom._sizes",
@@ -88,6 +90,7 @@ __all__ = [
     "TaskModule",
     "TorchloomError",
     "TrainingInterrupted",
+    "WindowOutOfMemory",
     "__version__",
     "build_config",
     "closest_name",
@@ -103,6 +106,7 @@ __all__ = [
     "hookspec",
     "inspect_path",
     "installed_plugins",
+    "is_out_of_memory",
     "is_terminal",
     "json_dumps",
     "load_plugin_state",
@@ -168,4 +172,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom.plugins import Plugin, PluginInfo, build_config, enable_plugins, installed_plugins
     from torchloom.progress import Progress
     from torchloom.state import load_plugin_state, save_plugin_state
-    from torchloom.step import StepHooks
+    from torchloom.step import StepHooks, WindowOutOfMemory, is_out_of_memory

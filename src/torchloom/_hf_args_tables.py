@@ -177,7 +177,11 @@ REASONS: dict[str, str] = {
     "remove_unused_columns": _COLUMNS,
     "label_names": _COLUMNS,
     "length_column_name": _COLUMNS,
-    "auto_find_batch_size": "torchloom does not search for a batch size",
+    "auto_find_batch_size": (
+        "the auto_batch plugin: give the data module the effective batch per process (per_device_train_batch_size "
+        "x gradient_accumulation_steps) as its batch_size, keep grad_accum's steps at 1, and enable auto_batch: it "
+        "backs off on out-of-memory errors keeping the effective batch and the schedule"
+    ),
     "neftune_noise_alpha": "a change to the model: add the noise to the input embeddings in your task",
     "use_liger_kernel": "patch the model with liger_kernel's apply_liger_kernel_to_* in your task's configure_model",
     "liger_kernel_config": "patch the model with liger_kernel's apply_liger_kernel_to_* in your task's configure_model",

@@ -31,6 +31,7 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
             on_train_batch_start              1x per micro-batch
             run_train_step                    1x per micro-batch; the default implementation calls:
                 before_backward               1x per micro-batch
+                after_window_discard          only when a step discards its window to redo it (auto_batch)
                 before_optimizer_step         1x per optimizer step (when gradients sync; hooks.optimizer_step)
                 after_optimizer_step          1x per optimizer step
             on_train_batch_end                1x per micro-batch
@@ -359,9 +360,37 @@ def before_backward(outputs: dict[str, Any], accelerator: Accelerator, progress:
         ``{"loss": loss}``). Implementations may replace ``outputs["loss"]`` with a rescaled loss (for
         example the token-count normalisation of gradient accumulation); the replacement must keep its
         autograd graph. Implementations run in plugin order and each sees the previous one's
-        replacement. The logged loss and ``on_train_batch_end`` always see the original loss.
+        replacement. The logged loss and ``on_train_batch_end`` always see the original loss. An
+        implementation that makes the loss a *sum* over the micro-batch's items, to be divided by the whole
+        window's count before the optimizer step (``grad_accum``'s ``tokens`` normalisation), sets
+        ``outputs["loss_reduction"] = "sum"``: a step that splits a batch into pieces (``auto_batch``) then
+        gives each piece's loss weight 1, where it divides a mean by the number of pieces.
     :param accelerator: the run's Accelerator.
     :param progress: counters for this micro-batch.
+    """
+
+
+@hookspec
+def after_window_discard(accelerator: Accelerator, progress: Progress) -> None:
+    """Called when a training step dropped the open accumulation window's gradients, to redo the window.
+
+    **Fires:** only from ``StepHooks.discard_window``, which a step that recovers from an out-of-memory error
+    calls (the ``auto_batch`` plugin, after a `torchloom.WindowOutOfMemory`), on every rank at the same point,
+    after ``optimizer.zero_grad(set_to_none=True)``; never in a fit whose steps do not discard. The micro-batches
+    that follow (``before_backward`` again) are the window's only ones: a plugin that counts per window
+    (``grad_accum``'s item count) starts its count again here. Nothing has stepped: no ``before_optimizer_step``
+    of the discarded window follows, and the scheduler has not moved.
+
+    :param accelerator: the run's Accelerator.
+    :param progress: counters of the micro-batch being redone.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def after_window_discard(self):
+            self._window_items = None  # the redone micro-batches count from zero
     """
 
 

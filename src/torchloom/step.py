@@ -24,7 +24,48 @@ if TYPE_CHECKING:
     from torchloom.plugins import HookRelay
     from torchloom.progress import Progress
 
-__all__ = ["StepHooks", "StepOutcome", "direct_optimizer"]
+__all__ = ["StepHooks", "StepOutcome", "WindowOutOfMemory", "direct_optimizer", "is_out_of_memory"]
+
+#: What the allocators' out-of-memory errors say when they are raised as a plain ``RuntimeError`` (the CPU's
+#: ``DefaultCPUAllocator``, cuDNN / cuBLAS failing to allocate, MPS and XPU); CUDA's own is `torch.OutOfMemoryError`.
+#: The list follows ``accelerate.utils.memory.should_reduce_batch_size``.
+OUT_OF_MEMORY_MESSAGES = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "CUDA out of memory.",
+    "CUDA error: out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+    "MPS backend out of memory",
+    "XPU out of memory.",
+)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocator's out-of-memory error: `torch.OutOfMemoryError` (CUDA's, also a
+    ``RuntimeError``), `MemoryError`, or a ``RuntimeError`` whose message is one of `OUT_OF_MEMORY_MESSAGES` (the
+    CPU allocator's ``DefaultCPUAllocator: can't allocate memory``)."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in OUT_OF_MEMORY_MESSAGES)
+
+
+class WindowOutOfMemory(RuntimeError):
+    """An out-of-memory error on one or more processes, known to every process at the same point of the step
+    (`StepHooks.agree_out_of_memory`): the accumulation window's gradients are incomplete.
+
+    Attributes:
+        phases (`dict[int, str]`): rank -> where its error happened (``"forward"``, ``"backward"``, ``"step"``, or
+            ``"step (after updating)"`` when ``optimizer.step()`` had already changed that process's optimizer
+            state), for the ranks that had one.
+        redoable (`bool`): whether discarding the window (`StepHooks.discard_window`) leaves every process exactly
+            as it was before the window: true for errors in forward and backward, and in the optimizer step only
+            when every process failed there before updating anything.
+    """
+
+    def __init__(self, phases: dict[int, str], redoable: bool) -> None:
+        self.phases, self.redoable = dict(phases), redoable
+        where = ", ".join(f"rank {rank} ({phase})" for rank, phase in sorted(self.phases.items()))
+        super().__init__(f"out of memory on {where}")
 
 
 @dataclass
@@ -77,6 +118,7 @@ class StepHooks:
         self._call = relay.call_with
         self.log = log
         self._before_backward = relay.implemented("before_backward")
+        self._after_window_discard = relay.implemented("after_window_discard")
         self._before_optimizer_step = relay.implemented("before_optimizer_step")
         self._after_optimizer_step = relay.implemented("after_optimizer_step")
         self._skip_nonfinite, self._agreement = skip_nonfinite, agreement
@@ -96,7 +138,13 @@ class StepHooks:
             self._call("before_backward", {"outputs": outputs, "accelerator": accelerator, "progress": progress})
 
     def optimizer_step(
-        self, model: torch.nn.Module, optimizer: Any, scheduler: Any, accelerator: Accelerator, progress: Progress
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        accelerator: Accelerator,
+        progress: Progress,
+        agree_out_of_memory: bool = False,
     ) -> bool:
         """The optimizer step of a window, with what the engine does around it; call it once per optimizer step,
         after the window's last backward (when ``accelerator.sync_gradients``). Returns whether the optimizer
@@ -110,6 +158,16 @@ class StepHooks:
            counts it (``train/scaler_skipped_steps``; a tolerated overflow, not a non-finite-loss error);
            otherwise ``scheduler.step()``.
         4. ``optimizer.zero_grad(set_to_none=True)``, then ``after_optimizer_step`` (LocalSGD, EMA).
+
+        With ``agree_out_of_memory=True`` (a step that recovers from out-of-memory errors, such as the
+        ``auto_batch`` plugin's), an out-of-memory error (`is_out_of_memory`) in ``before_optimizer_step`` or
+        ``optimizer.step()`` is caught, and every process learns of any process's error in one agreement right
+        after ``optimizer.step()`` (`agree_out_of_memory`), before the scheduler steps and before
+        ``after_optimizer_step`` (whose plugins may run collectives): each then raises `WindowOutOfMemory`, with
+        ``redoable`` true only when every process failed before its optimizer had changed anything (checked
+        from the optimizer's state: how many parameters have state, and the first one's ``step`` counter). The
+        caller discards the window (`discard_window`) or gives up. The agreement costs one all-reduce of one
+        integer per optimizer step, on the host.
         """
         if self._skip_nonfinite:
             flag, self._window_nonfinite = self._window_nonfinite, None
@@ -117,11 +175,14 @@ class StepHooks:
                 optimizer.zero_grad(set_to_none=True)  # the window's gradients are dropped; nothing else moves
                 self._outcome.nonfinite_skips += 1
                 return False
-        self.before_optimizer_step(model, optimizer, accelerator, progress)
         if optimizer is not self._wrapped:
             self._wrapped, self._direct = optimizer, direct_optimizer(optimizer, accelerator)
         target = optimizer if self._direct is None else self._direct  # what the wrapper would call, directly
-        target.step()
+        if agree_out_of_memory:
+            self._guarded_step(model, optimizer, accelerator, progress, target)
+        else:
+            self.before_optimizer_step(model, optimizer, accelerator, progress)
+            target.step()
         # Only with a scaler is this more than False, and then Accelerate has already synced to find out.
         if optimizer.step_was_skipped:
             self._outcome.scaler_skips += 1
@@ -130,6 +191,55 @@ class StepHooks:
         target.zero_grad(set_to_none=True)
         self.after_optimizer_step(model, optimizer, scheduler, accelerator, progress)
         return True
+
+    def _guarded_step(
+        self, model: torch.nn.Module, optimizer: Any, accelerator: Accelerator, progress: Progress, target: Any
+    ) -> None:
+        """``before_optimizer_step`` and ``target.step()`` with their out-of-memory errors agreed (`optimizer_step`)."""
+        before = _state_mark(optimizer)
+        failed = None
+        try:
+            self.before_optimizer_step(model, optimizer, accelerator, progress)
+            target.step()
+        except Exception as exc:  # only an out-of-memory error is caught (and not kept: its frames hold tensors)
+            if not is_out_of_memory(exc):
+                raise
+            failed = "step" if _same_mark(before, _state_mark(optimizer)) else "step (after updating)"
+        # Redoable only if no process updated anything: every one failed, and before its optimizer changed.
+        everywhere = self._agreement.num_processes
+        self.agree_out_of_memory(
+            failed, redoable=lambda phases: len(phases) == everywhere and set(phases.values()) == {"step"}
+        )
+
+    def agree_out_of_memory(self, phase: str | None, redoable: Any = None) -> None:
+        """Every process calls it at the same point of a step, with where its out-of-memory error happened
+        (``"forward"``, ``"backward"``, ...) or ``None``: when any process had one, every process raises
+        `WindowOutOfMemory` (naming each process's phase), so that none is left waiting in a collective the
+        others never reach. One all-reduce of one integer on the host (`RankAgreement.any`; nothing on one
+        process), and a gather of the phases only when some process failed.
+
+        Args:
+            phase (`str`, *optional*): this process's error, or ``None``.
+            redoable (`Callable[[dict[int, str]], bool]`, *optional*): decides `WindowOutOfMemory.redoable` from
+                the phases; by default true (forward and backward change nothing but the gradients).
+
+        Raises:
+            WindowOutOfMemory: on every process, when any process had an error.
+        """
+        if not self._agreement.any(phase is not None):
+            return
+        phases = {rank: p for rank, p in enumerate(self._agreement.gather(phase)) if p is not None}
+        raise WindowOutOfMemory(phases, True if redoable is None else bool(redoable(phases)))
+
+    def discard_window(self, optimizer: Any, accelerator: Accelerator, progress: Progress) -> None:
+        """Drop the open accumulation window, to redo it: ``optimizer.zero_grad(set_to_none=True)``, forget the
+        window's non-finite-loss flag, and fire ``after_window_discard`` so that the plugins that keep state per
+        window (``grad_accum``'s item count) start it again. Call it on every process at the same point (after a
+        `WindowOutOfMemory`); the micro-batches redone after it are the window's only ones."""
+        optimizer.zero_grad(set_to_none=True)
+        self._window_nonfinite = None
+        if self._after_window_discard:
+            self._call("after_window_discard", {"accelerator": accelerator, "progress": progress})
 
     def before_optimizer_step(
         self, model: torch.nn.Module, optimizer: Any, accelerator: Accelerator, progress: Progress
@@ -171,6 +281,23 @@ class StepHooks:
         """What the optimizer steps did since the last call (the loop's, after each micro-batch)."""
         outcome, self._outcome = self._outcome, StepOutcome()
         return outcome
+
+
+def _state_mark(optimizer: Any) -> tuple[int, Any]:
+    """How many parameters have optimizer state, and a copy of the first one's ``step`` counter (a copy of one
+    number: on the host for torch's default optimizers, a device copy without a sync otherwise)."""
+    state = getattr(optimizer, "optimizer", optimizer).state
+    step = next((s["step"] for s in state.values() if isinstance(s, dict) and "step" in s), None)
+    return len(state), step.clone() if isinstance(step, torch.Tensor) else step
+
+
+def _same_mark(before: tuple[int, Any], after: tuple[int, Any]) -> bool:
+    if before[0] != after[0]:
+        return False
+    a, b = before[1], after[1]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return bool(torch.equal(a, b))  # only after an out-of-memory error: a sync is no cost then
+    return a == b
 
 
 def direct_optimizer(optimizer: Any, accelerator: Any) -> Any:

@@ -164,6 +164,10 @@ class RecordingPlugin:
         self._record("before_backward", progress)
 
     @hookimpl
+    def after_window_discard(self, progress) -> None:
+        self._record("after_window_discard", progress)
+
+    @hookimpl
     def before_optimizer_step(self, progress) -> None:
         self._record("before_optimizer_step", progress)
 
