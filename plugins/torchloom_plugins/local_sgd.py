@@ -111,6 +111,7 @@ class LocalSGDPlugin(torchloom.Plugin):
 
     name = "local_sgd"
     Config = LocalSGDConfig
+    divergent_replicas = True  # between two averages: a checkpoint holds each process's parameters and optimizer
 
     def __init__(self, config: LocalSGDConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)

@@ -347,7 +347,7 @@ MP_SCENARIOS: dict[str, dict[str, Any]] = {
         "plugins": [{"grad_accum": {"steps": 2}}],
         "stops": [{"save_at": [2]}, {"save_at": [3]}, {"save_at": [4]}],
     },
-    # K = 2, SGD (no optimizer state: it would be per process): right after the averages of steps 4 and 6.
+    # K = 2, SGD: right after the averages of steps 4 and 6 (between two averages: MID_INTERVAL_SCENARIOS).
     "local_sgd": {
         "task": {"n": 16, "optimizer": "sgd"},
         "plugins": [{"local_sgd": {"sync_every": 2}}],
@@ -355,11 +355,31 @@ MP_SCENARIOS: dict[str, dict[str, Any]] = {
     },
 }
 
+#: LocalSGD and DiLoCo stopped between two averages (tests/plugins/test_local_sgd_resume.py), with AdamW: the
+#: processes' parameters and Adam moments differ there. 16 ids, 4 steps per epoch, 12 in all.
+MID_INTERVAL_SCENARIOS: dict[str, dict[str, Any]] = {
+    # K = 2: step 5 is one step after the average of step 4 (and mid-epoch 1).
+    "lsgd_k2": {"task": {"n": 16}, "plugins": [{"local_sgd": {"sync_every": 2}}], "stops": [{"save_at": [5]}]},
+    # K = 3: one and two steps after the average of step 3; SGD with momentum (a momentum buffer per process).
+    "lsgd_k3": {
+        "task": {"n": 16, "optimizer": "sgd+steplr"},
+        "plugins": [{"local_sgd": {"sync_every": 3}}],
+        "stops": [{"save_at": [4]}, {"save_at": [5]}],
+    },
+    # DiLoCo (Nesterov), K = 3: two steps after the outer step of step 3; the global parameters and the outer
+    # momentum are the plugin's, the inner AdamW moments each process's own.
+    "diloco_k3": {
+        "task": {"n": 16},
+        "plugins": [{"local_sgd": {"sync_every": 3, "outer_optimizer": "nesterov"}}],
+        "stops": [{"save_at": [5]}],
+    },
+}
+
 
 def run_mp_scenarios(out: Path, names: Sequence[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in names:
-        spec = MP_SCENARIOS[name]
+        spec = {**MP_SCENARIOS, **MID_INTERVAL_SCENARIOS}[name]
 
         def make(spec: dict[str, Any] = spec) -> torchloom.TaskModule:
             return ShuffleTask(**spec["task"])
