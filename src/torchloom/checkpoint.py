@@ -13,7 +13,8 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
   and what defines that order: see `torchloom._data_position`), and the learning-rate scheduler's state; in
   ``engine/process_<rank>/`` what is each process's own: its random states (Python, numpy, torch, CUDA), the
   partial sums of the values logged since the last logging step, and the states of the generators its data
-  loader draws from as an epoch starts, as the epoch to resume in started: JSON and safetensors
+  loader draws from as an epoch starts, as the epoch to resume in started, and inside an epoch its random states
+  before the look-ahead fetch of the next batch (`torchloom._fetch_states`): JSON and safetensors
   (`torchloom.state`), read without pickle. With several processes whose copies of the model differ (a plugin
   with ``divergent_replicas``: LocalSGD, DiLoCo), also that process's own parameters, optimizer state and loss
   scaler (``replica``, `torchloom._replicas`), which it loads over Accelerate's main-process files.
