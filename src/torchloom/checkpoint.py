@@ -37,6 +37,7 @@ file whose size or hash changed, and any pickle that holds more than tensors and
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -107,7 +108,8 @@ def write_checkpoint(
 
     ``engine_state`` is the main process's; ``process_state`` (each process's own: its partial log sums, its
     data generators) is written by every process, with its random states (`random_states`), to
-    ``engine/process_<rank>/``, and `load_checkpoint` merges it into the engine state of the same process.
+    ``engine/process_<rank>/``, and `load_checkpoint` merges it into the engine state of the same process; so is
+    its replica (`torchloom._replicas`) when several processes run a plugin with ``divergent_replicas``.
     ``training`` (the main process's, `torchloom._lineage.training_record`) is the manifest's ``training``: the
     whole training up to the checkpoint, which a resumed fit carries over.
 
@@ -125,10 +127,12 @@ def write_checkpoint(
         raise CheckpointError(message[0])
     tmp, main = temporary_path(final, pid=message[1]), accelerator.is_main_process
     own_state = {**(process_state or {}), "random_states": random_states()}  # what save_state would pickle
+    plugins, mine = list(plugins), [_Named("process", lambda: own_state, _no_load)]  # and its replica, if any
+    if accelerator.num_processes > 1 and divergent(plugins):
+        mine.append(_Named(REPLICA, lambda: replica_state(accelerator, model, optimizer), _no_load))
     try:
         # The processes agree on the outcome (`RankAgreement.first`): a write that failed on one fails on all
-        parts = _write_parts(tmp, accelerator, model, optimizer, plugins, scheduler, engine_state, own_state)
-        failure = agreement.first(parts)
+        failure = agreement.first(_write_parts(tmp, accelerator, plugins, scheduler, engine_state, mine))
         if failure is None and main:  # every process's files are complete
             try:
                 manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics, training)
@@ -154,21 +158,12 @@ def write_checkpoint(
 
 
 def _write_parts(
-    tmp: Path,
-    accelerator: Any,
-    model: Any,
-    optimizer: Any,
-    plugins: Iterable[Any],
-    scheduler: Any,
-    engine_state: Any,
-    own_state: Any,
+    tmp: Path, accelerator: Any, plugins: Iterable[Any], scheduler: Any, engine_state: Any, mine: list[_Named]
 ) -> str | None:
-    """Write this process's files of a checkpoint into ``tmp``; return why a write failed (`atomic.write_failure`),
-    ``None`` when all were written. Any other error (a plugin's bad state) propagates: it happens on every rank.
-
-    With several processes and a plugin whose processes' copies differ (`torchloom._replicas.divergent`), every
-    process also writes its own parameters, optimizer state and scaler next to its random states."""
-    main, plugins = accelerator.is_main_process, list(plugins)
+    """Write this process's files of a checkpoint into ``tmp`` (``mine``: its own, in ``engine/process_<rank>/``);
+    return why a write failed (`atomic.write_failure`), ``None`` when all were written. Any other error (a plugin's
+    bad state) propagates: it happens on every rank."""
+    main = accelerator.is_main_process
     try:
         with TrainableOnly(accelerator):  # an adapted model: its adapter only, not the frozen base
             accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
@@ -178,9 +173,6 @@ def _write_parts(
         if scheduler is not None:
             own.append(_Named("lr_scheduler", scheduler.state_dict, _no_load))
         save_plugin_state(own, tmp / "engine", is_main_process=main)
-        mine = [_Named("process", lambda: own_state, _no_load)]
-        if accelerator.num_processes > 1 and divergent(plugins):
-            mine.append(_Named(REPLICA, lambda: replica_state(accelerator, model, optimizer), _no_load))
         save_plugin_state(mine, tmp / "engine" / f"process_{accelerator.process_index}")
     except Exception as exc:
         failure = atomic.write_failure(exc, tmp)
@@ -523,7 +515,7 @@ def load_checkpoint(
     own_files += [_Named(REPLICA, dict, keep(REPLICA))] if replica else []
     load_plugin_state(own_files, process_dir)
     load_plugin_state(plugins, root / "plugins")  # every file checked before any plugin's load_state_dict
-    fresh_optimizer = None if load_optimizer else _copy_state(optimizer.state_dict())
+    fresh_optimizer = None if load_optimizer else copy.deepcopy(optimizer.state_dict())
     try:
         with TrainableOnly(accelerator):  # an adapted model: its adapter is loaded, the frozen base kept
             accelerator.load_state(str(root / "accelerate"))
@@ -564,12 +556,6 @@ def _check_complete(root: Path, manifest: Mapping[str, Any], accelerator: Any, p
             f"checkpoint {str(root)!r} is incomplete: it lacks {', '.join(missing)}, which this run loads (its "
             "manifest lists no such file)"
         )
-
-
-def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
-    import copy
-
-    return copy.deepcopy(state)
 
 
 # ------------------------------------------------------------------------------------------------ files
