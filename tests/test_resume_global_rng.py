@@ -6,8 +6,9 @@ batch ahead, so a checkpoint keeps the states right before the fetch of the batc
 them in its sampler (`torchloom._fetch_states`). B stopped at any step and resumed (C) is A, the uninterrupted run,
 bitwise: every step's parameters, the history, the final state (`test_resume.assert_resumed_exactly`).
 
-Before this change every mid-epoch stop below drifted (the first resumed batch was augmented with other numbers);
-only the end-of-epoch checkpoint was exact.
+Before this change every mid-epoch stop below drifted from its first resumed step (the resumed batches were
+augmented with other numbers): the final parameters were off by 0.154, 0.061, 0.039, 0.014 and 0.008 (stops at
+steps 1, 3, 4, 6 and 8); only the end-of-epoch checkpoint was exact.
 """
 
 from __future__ import annotations
