@@ -13,55 +13,20 @@ steps 1, 3, 4, 6 and 8); only the end-of-epoch checkpoint was exact.
 
 from __future__ import annotations
 
-import random
 import sys
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from torchrun_util import MP_DIR
 
 sys.path.insert(0, str(MP_DIR))
 
-from resume_fit import ShuffleTask, fit, id_data, stop_and_resume
+from resume_fit import AugmentTask, ShuffleTask, fit, id_data, stop_and_resume
 
 from test_resume import assert_resumed_exactly
-
-
-class GlobalNoise(Dataset):
-    """``(id, x, y)`` of `id_data`, x plus noise from the global torch, numpy and Python generators (``draw``)."""
-
-    def __init__(self, n: int, draw: str = "all") -> None:
-        self.ids, self.x, self.y = id_data(n).tensors
-        self.draw = draw
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        noise = torch.zeros(2)
-        if self.draw in ("all", "torch"):
-            noise += 0.1 * torch.randn(2)
-        if self.draw in ("all", "numpy"):
-            noise += torch.from_numpy(np.random.normal(size=2).astype(np.float32))
-        if self.draw in ("all", "python"):
-            noise += random.random()
-        return self.ids[i], self.x[i] + noise, self.y[i]
-
-
-class AugmentTask(ShuffleTask):
-    """`ShuffleTask` (dropout, AdamW + StepLR, shuffled by a seeded generator, 5 steps per epoch) on `GlobalNoise`."""
-
-    def __init__(self, draw: str = "all", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.draw = draw
-
-    def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(1) if self.generator else None
-        return DataLoader(GlobalNoise(self.n, self.draw), batch_size=self.batch_size, shuffle=True, generator=generator)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 
 Between two averages the processes' parameters and optimizer states differ, so the checkpoint holds each process's
 own (``engine/process_<rank>/replica.*``, `torchloom._replicas`) and each process resumes from its own. The
-scenarios (`resume_fit.MID_INTERVAL_SCENARIOS`: K = 2 and K = 3, AdamW and SGD with momentum, DiLoCo with Nesterov)
+scenarios (`resume_fit.MID_INTERVAL_SCENARIOS`: K = 2 and K = 3, AdamW and SGD with momentum, DiLoCo with Nesterov,
+and K = 3 on data augmented with the global random generators, stopped after the first batch of an epoch)
 run A uninterrupted, B stopped right after a checkpoint at a step that is not a multiple of K, and C resumed from
 it; B + C is A on every rank: sample order, every step's parameters, the logged history and the final parameters,
 optimizer state and scheduler, compared exactly (`test_resume.assert_resumed_exactly`).
