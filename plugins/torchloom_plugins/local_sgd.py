@@ -16,6 +16,8 @@ Method card
   the context without that average, since another process may never reach that collective.
   ``state_dict`` / ``load_state_dict`` carry the step counter (one int) through
   ``torchloom.save_plugin_state`` / ``load_plugin_state``, so a resumed run averages on the same optimizer steps.
+  ``divergent_replicas = True``: a checkpoint of several processes also holds each process's own parameters,
+  optimizer state and loss scaler, which differ between two averages, so a resume at any step is exact.
 - **Guarantees:** right after each averaging the parameters are bitwise equal on every process and are the
   mean of their values just before it; between averagings they differ; on one process the plugin warns once
   and is an exact no-op (no collective, bitwise the run without it).
@@ -111,6 +113,7 @@ class LocalSGDPlugin(torchloom.Plugin):
 
     name = "local_sgd"
     Config = LocalSGDConfig
+    divergent_replicas = True  # between two averages: a checkpoint holds each process's parameters and optimizer
 
     def __init__(self, config: LocalSGDConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)

@@ -21,6 +21,7 @@ from torchloom._batch_limits import limited
 from torchloom._context import RunContext, activate
 from torchloom._data_position import data_order, position, resume_point
 from torchloom._evaluation import validation_pass
+from torchloom._fetch_states import Watch, resume_source
 from torchloom._fit_state import FitState
 from torchloom._guards import NEGATIVE_ITEMS, check_same_length, check_step_outputs, check_training, stop_iteration
 from torchloom._layout import CHECKPOINTS_DIR
@@ -45,6 +46,7 @@ class Start(NamedTuple):
     skip: int = 0
     random_states: dict[str, Any] | None = None
     generators: dict[str, torch.Tensor] | None = None
+    fetch_states: dict[str, Any] | None = None  # before the look-ahead fetch (`torchloom._fetch_states.Watch`)
 
 
 class FitLoop:
@@ -76,6 +78,7 @@ class FitLoop:
         self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement)
         # (epoch, batches done in it, epoch finished) while a checkpoint may be saved, else None
         self._save_point: tuple[int, int, bool] | None = None
+        self._watch = Watch()  # the epoch's states before the look-ahead fetch, for a checkpoint
         self._last_saved: tuple[int, str] | None = None  # (global_step, path) of this fit's latest checkpoint
         self._relay_has = {name: run.relay.implemented(name) for name in ("on_train_batch_start", "on_train_batch_end")}
         #: A failure of ``on_fit_end`` itself, after a fit that succeeded (the engine raises it after ``teardown``).
@@ -111,14 +114,14 @@ class FitLoop:
 
     def train(self, start: Start) -> None:
         """The epochs from ``start``, until ``max_epochs``, ``max_steps`` or a stop agreed over the processes."""
-        skip, rng, generators = start.skip, start.random_states, start.generators
+        skip, rng, generators, fetch = start.skip, start.random_states, start.generators, start.fetch_states
         self._train_start = time.perf_counter()
         for epoch in range(start.epoch, self.config.max_epochs):
             if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
                 break  # a resumed fit that had finished
-            if self._epoch(epoch, skip, rng, generators):
+            if self._epoch(epoch, skip, rng, generators, fetch):
                 break
-            skip, rng, generators = 0, None, None
+            skip, rng, generators, fetch = 0, None, None, None
 
     def end(self) -> None:
         """The end of training: what is still logged, ``on_train_end``, its logs, and a final validation if the
@@ -132,10 +135,13 @@ class FitLoop:
     def _end_args(self) -> dict[str, Any]:
         return {"accelerator": self.run.accelerator, "task": self.task, "model": self.run.model}
 
-    def _epoch(self, epoch: int, skip: int, rng: Any, generators: dict[str, torch.Tensor] | None) -> bool:
+    def _epoch(
+        self, epoch: int, skip: int, rng: Any, generators: dict[str, torch.Tensor] | None, fetch: Any = None
+    ) -> bool:
         """Train one epoch (validating at the configured interval); return whether to stop. ``skip``: batches of
         the epoch a resumed checkpoint already trained on; ``rng``: the random states to restore once the epoch's
-        loader has started; ``generators``: the data generators' states as that epoch started (a resume)."""
+        loader has started; ``generators``: the data generators' states as that epoch started; ``fetch``: the
+        states before the look-ahead fetch after the checkpoint (`torchloom._fetch_states`; all for a resume)."""
         run, state, relay = self.run, self.state, self.run.relay
         loader = run.train_dataloader
         check_same_length(run.agreement, loader, "training")
@@ -152,18 +158,36 @@ class FitLoop:
         state.epoch, state.batch_idx = epoch, skip
         relay.call("on_train_epoch_start", accelerator=run.accelerator, progress=state.progress())
         done, batches, limit = False, 0, run.train_batches
-        source = run.accelerator.skip_first_batches(loader, skip) if skip else loader
+        # A resume skips by index; the data's draws from the global generators are restored in its sampler, or
+        # it starts the loader again and fetches one batch more (`again`), untrained (`torchloom._fetch_states`).
+        self._watch = watch = Watch(full=bool(fetch and not fetch["first"] and "python" in fetch["states"]))
+        source, again, restoring = (
+            resume_source(run.accelerator, loader, skip, fetch, rng) if skip else (loader, 0, None)
+        )
+        fresh = restoring is None and not (skip and not again)  # the loader starts from the epoch's start
+        if fresh:
+            watch.before_first()
         # Under a batch limit (limit_train_batches, overfit_batches, fast_dev_run) the epoch ends after its
         # last batch, which ends an open accumulation window with an optimizer step, as a whole epoch's last does.
-        for batch_idx, batch in enumerate(limited(source, limit, skip, end_of_data=True), skip):
+        for batch_idx, batch in enumerate(limited(source, limit, skip - again, end_of_data=True), skip - again):
+            if fresh:  # did the loader's first call (its first two fetches) move Python's or numpy's state?
+                watch.after_first()
+                fresh = False
             if rng is not None:  # as they were when the checkpoint was saved: starting the loader drew from them
-                set_random_states(rng)
+                if restoring is None or not restoring.applied:
+                    set_random_states(rng)
+                if again:  # the batch the checkpoint trained: fetched again only for its draws, not trained
+                    rng, again = None, 0
+                    watch.before_next()
+                    continue
+                watch.continued(rng)
                 rng = None
             batches, state.batch_idx = batches + 1, batch_idx
             if self._micro_batch(batch):
                 stop_iteration(source)
                 done = True
                 break
+            watch.before_next()
         if batches == 0 and skip == 0:
             raise ConfigError(f"fit: the training dataloader yielded no batches in epoch {epoch}; nothing was trained")
         if rng is not None:  # a checkpoint of the epoch's last step: nothing left to train in it
@@ -353,6 +377,7 @@ class FitLoop:
             process_state={
                 **state.process_state_dict(),
                 "epoch_generators": generators,
+                "fetch_random_states": None if finished else self._watch.state_dict(),
                 "log_buffer": self.logs.train.state_dict(),
             },
         )
@@ -409,7 +434,7 @@ class FitLoop:
         failure = run.agreement.first(failure)  # a failed write fails every process alike
         if failure is not None:
             raise RunFileError(failure)
-        return Start(epoch, skip, saved["random_states"], saved["epoch_generators"])
+        return Start(epoch, skip, saved["random_states"], saved["epoch_generators"], saved.get("fetch_random_states"))
 
 
 def _batch_size(batch: Any, counted: int) -> int | None:

@@ -13,8 +13,11 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
   and what defines that order: see `torchloom._data_position`), and the learning-rate scheduler's state; in
   ``engine/process_<rank>/`` what is each process's own: its random states (Python, numpy, torch, CUDA), the
   partial sums of the values logged since the last logging step, and the states of the generators its data
-  loader draws from as an epoch starts, as the epoch to resume in started: JSON and safetensors
-  (`torchloom.state`), read without pickle.
+  loader draws from as an epoch starts, as the epoch to resume in started, and inside an epoch its random states
+  before the look-ahead fetch of the next batch (`torchloom._fetch_states`): JSON and safetensors
+  (`torchloom.state`), read without pickle. With several processes whose copies of the model differ (a plugin
+  with ``divergent_replicas``: LocalSGD, DiLoCo), also that process's own parameters, optimizer state and loss
+  scaler (``replica``, `torchloom._replicas`), which it loads over Accelerate's main-process files.
 - ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
@@ -34,6 +37,7 @@ file whose size or hash changed, and any pickle that holds more than tensors and
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -51,6 +55,7 @@ from torchloom._atomic import temporary_path
 from torchloom._data_position import DataOrder, layout_problems
 from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
 from torchloom._random_states import random_states, set_random_states
+from torchloom._replicas import REPLICA, divergent, load_replica, replica_state
 from torchloom._strict_json import json_dumps
 from torchloom.errors import CheckpointError, RunFileError
 from torchloom.state import _stateful, load_plugin_state, save_plugin_state
@@ -103,7 +108,8 @@ def write_checkpoint(
 
     ``engine_state`` is the main process's; ``process_state`` (each process's own: its partial log sums, its
     data generators) is written by every process, with its random states (`random_states`), to
-    ``engine/process_<rank>/``, and `load_checkpoint` merges it into the engine state of the same process.
+    ``engine/process_<rank>/``, and `load_checkpoint` merges it into the engine state of the same process; so is
+    its replica (`torchloom._replicas`) when several processes run a plugin with ``divergent_replicas``.
     ``training`` (the main process's, `torchloom._lineage.training_record`) is the manifest's ``training``: the
     whole training up to the checkpoint, which a resumed fit carries over.
 
@@ -121,9 +127,12 @@ def write_checkpoint(
         raise CheckpointError(message[0])
     tmp, main = temporary_path(final, pid=message[1]), accelerator.is_main_process
     own_state = {**(process_state or {}), "random_states": random_states()}  # what save_state would pickle
+    plugins, mine = list(plugins), [_Named("process", lambda: own_state, _no_load)]  # and its replica, if any
+    if accelerator.num_processes > 1 and divergent(plugins):
+        mine.append(_Named(REPLICA, lambda: replica_state(accelerator, model, optimizer), _no_load))
     try:
         # The processes agree on the outcome (`RankAgreement.first`): a write that failed on one fails on all
-        failure = agreement.first(_write_parts(tmp, accelerator, plugins, scheduler, engine_state, own_state))
+        failure = agreement.first(_write_parts(tmp, accelerator, plugins, scheduler, engine_state, mine))
         if failure is None and main:  # every process's files are complete
             try:
                 manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics, training)
@@ -149,10 +158,11 @@ def write_checkpoint(
 
 
 def _write_parts(
-    tmp: Path, accelerator: Any, plugins: Iterable[Any], scheduler: Any, engine_state: Any, own_state: Any
+    tmp: Path, accelerator: Any, plugins: Iterable[Any], scheduler: Any, engine_state: Any, mine: list[_Named]
 ) -> str | None:
-    """Write this process's files of a checkpoint into ``tmp``; return why a write failed (`atomic.write_failure`),
-    ``None`` when all were written. Any other error (a plugin's bad state) propagates: it happens on every rank."""
+    """Write this process's files of a checkpoint into ``tmp`` (``mine``: its own, in ``engine/process_<rank>/``);
+    return why a write failed (`atomic.write_failure`), ``None`` when all were written. Any other error (a plugin's
+    bad state) propagates: it happens on every rank."""
     main = accelerator.is_main_process
     try:
         with TrainableOnly(accelerator):  # an adapted model: its adapter only, not the frozen base
@@ -163,7 +173,6 @@ def _write_parts(
         if scheduler is not None:
             own.append(_Named("lr_scheduler", scheduler.state_dict, _no_load))
         save_plugin_state(own, tmp / "engine", is_main_process=main)
-        mine = [_Named("process", lambda: own_state, _no_load)]
         save_plugin_state(mine, tmp / "engine" / f"process_{accelerator.process_index}")
     except Exception as exc:
         failure = atomic.write_failure(exc, tmp)
@@ -392,7 +401,8 @@ def check_compatible(
     if manifest.get("world_size") != accelerator.num_processes:
         problems.append(
             f"it was written by {manifest.get('world_size')} process(es), this run has {accelerator.num_processes} "
-            "(the data position and the random states are per process)"
+            "(the data position, the random states and, with LocalSGD, the parameters and optimizer states are per "
+            "process)"
         )
     saved = {k: tuple(v) for k, v in (manifest.get("model") or {}).get("parameters", {}).items()}
     current = {name: tuple(p.shape) for name, p in accelerator.unwrap_model(model).named_parameters()}
@@ -500,9 +510,12 @@ def load_checkpoint(
             f"checkpoint {str(root)!r} holds no state of process {accelerator.process_index} "
             f"(engine/process_{accelerator.process_index}/: its random states and data generators)"
         )
-    load_plugin_state([_Named("process", dict, keep("process"))], process_dir)  # this process's own part
+    own_files = [_Named("process", dict, keep("process"))]  # this process's own part (and its replica)
+    replica = f"engine/process_{accelerator.process_index}/{REPLICA}.json" in (manifest.get("files") or {})
+    own_files += [_Named(REPLICA, dict, keep(REPLICA))] if replica else []
+    load_plugin_state(own_files, process_dir)
     load_plugin_state(plugins, root / "plugins")  # every file checked before any plugin's load_state_dict
-    fresh_optimizer = None if load_optimizer else _copy_state(optimizer.state_dict())
+    fresh_optimizer = None if load_optimizer else copy.deepcopy(optimizer.state_dict())
     try:
         with TrainableOnly(accelerator):  # an adapted model: its adapter is loaded, the frozen base kept
             accelerator.load_state(str(root / "accelerate"))
@@ -517,6 +530,8 @@ def load_checkpoint(
                 f"values; refused without loading it ({type(exc).__name__}: {str(exc).splitlines()[0]})"
             ) from None
         raise
+    if replica:  # this process's own copy, where the processes' copies differ (LocalSGD between two averages)
+        load_replica(states[REPLICA], accelerator, model, optimizer, load_optimizer=fresh_optimizer is None)
     if fresh_optimizer is not None:
         optimizer.load_state_dict(fresh_optimizer)
     if scheduler is not None:
@@ -541,12 +556,6 @@ def _check_complete(root: Path, manifest: Mapping[str, Any], accelerator: Any, p
             f"checkpoint {str(root)!r} is incomplete: it lacks {', '.join(missing)}, which this run loads (its "
             "manifest lists no such file)"
         )
-
-
-def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
-    import copy
-
-    return copy.deepcopy(state)
 
 
 # ------------------------------------------------------------------------------------------------ files

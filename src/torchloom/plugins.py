@@ -63,6 +63,9 @@ class Plugin:
         inactive_hooks (`frozenset[str]`): hooks the plugin implements but that its settings make no-ops: they
             are not registered, so the loop never calls them (set it on the object, in ``__init__``, from the
             settings; e.g. ``grad_accum`` with ``steps: 1``). Read once, when the engine registers the plugin.
+        divergent_replicas (`bool`): ``True`` when the plugin lets the processes' parameters and optimizer states
+            differ at a checkpoint (``local_sgd`` between two averages): a checkpoint of several processes then
+            holds each process's own (``engine/process_<rank>/replica.*``), and each process resumes from its own.
 
     Args:
         config (`Config`, *optional*): ready-made settings; otherwise built from ``settings``.
@@ -77,6 +80,7 @@ class Plugin:
     requires: ClassVar[tuple[str, ...]] = ()
     conflicts: ClassVar[tuple[str, ...]] = ()
     inactive_hooks: frozenset[str] = frozenset()
+    divergent_replicas: ClassVar[bool] = False
 
     def __init__(self, config: Any = None, **settings: Any) -> None:
         if config is not None and settings:

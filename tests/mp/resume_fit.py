@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import torchloom
 
@@ -100,6 +102,39 @@ class ShuffleTask(torchloom.TaskModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(id_data(4, seed=7), batch_size=2)
+
+
+class GlobalNoise(Dataset):
+    """``(id, x, y)`` of `id_data`, x plus noise from the global torch, numpy and Python generators (``draw``)."""
+
+    def __init__(self, n: int, draw: str = "all") -> None:
+        self.ids, self.x, self.y = id_data(n).tensors
+        self.draw = draw
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        noise = torch.zeros(2)
+        if self.draw in ("all", "torch"):
+            noise += 0.1 * torch.randn(2)
+        if self.draw in ("all", "numpy"):
+            noise += torch.from_numpy(np.random.normal(size=2).astype(np.float32))
+        if self.draw in ("all", "python"):
+            noise += random.random()
+        return self.ids[i], self.x[i] + noise, self.y[i]
+
+
+class AugmentTask(ShuffleTask):
+    """`ShuffleTask` (dropout, AdamW + StepLR, shuffled by a seeded generator, 5 steps per epoch) on `GlobalNoise`."""
+
+    def __init__(self, draw: str = "all", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.draw = draw
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(1) if self.generator else None
+        return DataLoader(GlobalNoise(self.n, self.draw), batch_size=self.batch_size, shuffle=True, generator=generator)
 
 
 class OverflowTask(torchloom.TaskModule):
@@ -347,7 +382,7 @@ MP_SCENARIOS: dict[str, dict[str, Any]] = {
         "plugins": [{"grad_accum": {"steps": 2}}],
         "stops": [{"save_at": [2]}, {"save_at": [3]}, {"save_at": [4]}],
     },
-    # K = 2, SGD (no optimizer state: it would be per process): right after the averages of steps 4 and 6.
+    # K = 2, SGD: right after the averages of steps 4 and 6 (between two averages: MID_INTERVAL_SCENARIOS).
     "local_sgd": {
         "task": {"n": 16, "optimizer": "sgd"},
         "plugins": [{"local_sgd": {"sync_every": 2}}],
@@ -355,14 +390,42 @@ MP_SCENARIOS: dict[str, dict[str, Any]] = {
     },
 }
 
+#: LocalSGD and DiLoCo stopped between two averages (tests/plugins/test_local_sgd_resume.py), with AdamW: the
+#: processes' parameters and Adam moments differ there. 16 ids, 4 steps per epoch, 12 in all.
+MID_INTERVAL_SCENARIOS: dict[str, dict[str, Any]] = {
+    # K = 2: step 5 is one step after the average of step 4 (and mid-epoch 1).
+    "lsgd_k2": {"task": {"n": 16}, "plugins": [{"local_sgd": {"sync_every": 2}}], "stops": [{"save_at": [5]}]},
+    # K = 3: one and two steps after the average of step 3; SGD with momentum (a momentum buffer per process).
+    "lsgd_k3": {
+        "task": {"n": 16, "optimizer": "sgd+steplr"},
+        "plugins": [{"local_sgd": {"sync_every": 3}}],
+        "stops": [{"save_at": [4]}, {"save_at": [5]}],
+    },
+    # K = 3 on data augmented with the global generators (`AugmentTask`): step 5 is two steps after the average
+    # of step 3 and the first batch of epoch 1 (whose look-ahead fetch was in the loader's first call).
+    "lsgd_k3_augment": {
+        "task": {"n": 16},
+        "task_class": "augment",
+        "plugins": [{"local_sgd": {"sync_every": 3}}],
+        "stops": [{"save_at": [5]}],
+    },
+    # DiLoCo (Nesterov), K = 3: two steps after the outer step of step 3; the global parameters and the outer
+    # momentum are the plugin's, the inner AdamW moments each process's own.
+    "diloco_k3": {
+        "task": {"n": 16},
+        "plugins": [{"local_sgd": {"sync_every": 3, "outer_optimizer": "nesterov"}}],
+        "stops": [{"save_at": [5]}],
+    },
+}
+
 
 def run_mp_scenarios(out: Path, names: Sequence[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in names:
-        spec = MP_SCENARIOS[name]
+        spec = {**MP_SCENARIOS, **MID_INTERVAL_SCENARIOS}[name]
 
         def make(spec: dict[str, Any] = spec) -> torchloom.TaskModule:
-            return ShuffleTask(**spec["task"])
+            return (AugmentTask if spec.get("task_class") == "augment" else ShuffleTask)(**spec["task"])
 
         settings = spec.get("settings", {})
         a = fit(make, out / name / "a", spec["plugins"], **settings)
