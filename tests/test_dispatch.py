@@ -126,10 +126,12 @@ def test_the_call_lists_are_rebuilt_when_a_plugin_is_registered_or_unregistered(
     calls: list = []
     a, b, c = (Recorder(name, calls) for name in "abc")
     relay = HookRelay([a])
+    kept = relay.hook("before_optimizer_step")  # as StepHooks and the loop keep it
     assert not relay.implemented("on_train_epoch_start")
-    relay.call("before_optimizer_step", **KWARGS)  # builds nothing lazily that could go stale
+    relay.call("before_optimizer_step", **KWARGS)
     relay.register(b)
     relay.register(c)
+    assert [impl.plugin_name for impl in kept.impls] == ["a", "b", "c"]
     relay.call("before_optimizer_step", **KWARGS)
     relay.call("after_optimizer_step", scheduler=None, **KWARGS)
     assert [call[0] for call in calls] == ["a", "a", "b", "c", "c", "b", "a"]
@@ -138,6 +140,7 @@ def test_the_call_lists_are_rebuilt_when_a_plugin_is_registered_or_unregistered(
     relay.call("before_optimizer_step", **KWARGS)
     assert [call[0] for call in calls] == ["a", "c"]
     assert relay.call_order("after_optimizer_step") == ["c", "a"] and relay.plugins == [a, c]
+    assert kept is relay.hook("before_optimizer_step") and [impl.plugin_name for impl in kept.impls] == ["a", "c"]
     with pytest.raises(torchloom.PluginError, match="cannot be registered"):
         relay.register(Recorder("a", calls))  # a second plugin named 'a'
 

@@ -29,6 +29,7 @@ from torchloom.errors import ConfigError, PluginError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "HookCall",
     "HookRelay",
     "Plugin",
     "PluginInfo",
@@ -319,16 +320,21 @@ def _is_wrapper(impl: Any) -> bool:
     return bool(impl.wrapper or impl.hookwrapper)
 
 
-class _HookCall:
-    """One hook's implementations (pluggy's ``HookImpl`` objects) in the order they run, ready for `HookRelay._run`:
-    ``plain`` when none is a wrapper or takes a keyword argument with a default (which only pluggy's ``_multicall``
-    passes); ``multicall`` is the list as ``_multicall`` takes it (it calls from the end)."""
+class HookCall:
+    """One hook's implementations (pluggy's ``HookImpl`` objects) in the order they run, for `HookRelay.run`; the
+    relay updates it in place when a plugin is registered or unregistered, so a caller may keep it. ``impls`` is
+    empty when no plugin implements the hook; ``plain`` when none is a wrapper or takes a keyword argument with a
+    default (which only pluggy's ``_multicall`` passes); ``multicall`` is the list as ``_multicall`` takes it (it
+    calls from the end)."""
 
-    __slots__ = ("calls", "firstresult", "impls", "multicall", "name", "plain")
+    __slots__ = ("firstresult", "impls", "multicall", "name", "plain")
 
-    def __init__(self, name: str, impls: Sequence[Any], firstresult: bool) -> None:
-        self.name, self.impls, self.firstresult = name, tuple(impls), firstresult
-        self.calls = tuple((impl.function, tuple(impl.argnames)) for impl in self.impls)
+    def __init__(self, name: str, firstresult: bool, impls: Sequence[Any] = ()) -> None:
+        self.name, self.firstresult = name, firstresult
+        self.set(impls)
+
+    def set(self, impls: Sequence[Any]) -> None:
+        self.impls = tuple(impls)
         self.plain = not any(_is_wrapper(impl) or getattr(impl, "kwargnames", ()) for impl in self.impls)
         self.multicall = self.impls[::-1]
 
@@ -337,11 +343,11 @@ class HookRelay:
     """Registers enabled plugins with pluggy and calls hooks in the documented order.
 
     Forward hooks run in the order the plugins were given; ``after_*``, ``*_end`` and ``teardown`` run in
-    reverse. One pluggy manager registers and validates the implementations; per hook the relay keeps one list of
-    them in the order the hook runs them, rebuilt whenever a plugin is registered or unregistered, and every call
-    goes through `_run`. The order is pluggy's: wrappers outside plain implementations, ``tryfirst`` before and
-    ``trylast`` after the others; within each group by the plugins' order (``trylast`` ones in the opposite
-    order, as pluggy does), each group reversed for a reversed hook.
+    reverse. One pluggy manager registers and validates the implementations; per hook the relay keeps one list
+    of them in the order the hook runs them (`HookCall`), updated whenever a plugin is registered or
+    unregistered, and every call goes through `run`. The order is pluggy's: wrappers outside plain
+    implementations, ``tryfirst`` before and ``trylast`` after the others; within each group by the plugins'
+    order (``trylast`` ones in the opposite order, as pluggy does), each group reversed for a reversed hook.
 
     Args:
         plugins (`Sequence[object]`): the plugin objects, user's order first, engine defaults last.
@@ -356,7 +362,7 @@ class HookRelay:
         self._pm = _PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
         self._trace = os.environ.get(TRACE_ENV, "") not in ("", "0")
-        self._hooks: dict[str, _HookCall] = {}  # every hook of the spec, implemented or not
+        self._hooks: dict[str, HookCall] = {}  # every hook of the spec, implemented or not
         for plugin in plugins:
             self._add(plugin)
         self._rebuild()
@@ -364,8 +370,7 @@ class HookRelay:
     # -------------------------------------------------------------------------------------- registration
 
     def register(self, plugin: Any) -> None:
-        """Register one more plugin, after the others (the engine's loop reads which hooks are implemented as a
-        fit starts).
+        """Register one more plugin, after the others.
 
         Raises:
             PluginError: as the constructor does.
@@ -394,9 +399,8 @@ class HookRelay:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        """Recompute every hook's call list from pluggy's registered implementations."""
+        """Recompute every hook's call list from pluggy's registered implementations (in place)."""
         position = {id(plugin): i for i, plugin in enumerate(self.plugins)}
-        hooks = {}
         for name, caller in vars(self._pm.hook).items():
             if name.startswith("_"):
                 continue
@@ -408,8 +412,9 @@ class HookRelay:
                 return not _is_wrapper(impl), group, direction * position[id(impl.plugin)]
 
             impls = sorted(reversed(caller.get_hookimpls()), key=key)  # stable: pluggy's order within a plugin
-            hooks[name] = _HookCall(name, impls, bool(caller.spec and caller.spec.opts.get("firstresult")))
-        self._hooks = hooks
+            if name not in self._hooks:
+                self._hooks[name] = HookCall(name, bool(caller.spec and caller.spec.opts.get("firstresult")))
+            self._hooks[name].set(impls)
 
     # ------------------------------------------------------------------------------------------- calling
 
@@ -418,17 +423,17 @@ class HookRelay:
         hook = self._hooks.get(hook_name)
         return hook is not None and bool(hook.impls)
 
+    def hook(self, hook_name: str) -> HookCall:
+        """The call list of ``hook_name``, kept up to date: for a hot path that calls `run` with it."""
+        return self._hooks[hook_name]
+
     def call(self, hook_name: str, **kwargs: Any) -> Any:
         """Call a hook by keyword. An exception gets a note naming the plugin and hook that raised it.
 
         Returns what pluggy's hook call would: the results that are not ``None``, in call order, or for a
         ``firstresult`` hook the first one (``None`` if none). A hook no plugin implements returns at once.
         """
-        return self._run(self._hooks[hook_name], kwargs)
-
-    def call_with(self, hook_name: str, kwargs: dict[str, Any]) -> Any:
-        """`call` with the arguments in a dict (`StepHooks` builds one per call, not two)."""
-        return self._run(self._hooks[hook_name], kwargs)
+        return self.run(self._hooks[hook_name], kwargs)
 
     def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call a (set-up time) hook once per implementing plugin; return ``(plugin name, result)`` pairs
@@ -436,7 +441,7 @@ class HookRelay:
         hook = self._hooks[hook_name]
         results = []
         for impl in hook.impls:
-            result = self._run(_HookCall(hook_name, (impl,), hook.firstresult), kwargs, impl.plugin_name)
+            result = self.run(HookCall(hook_name, hook.firstresult, (impl,)), kwargs, impl.plugin_name)
             results.append((impl.plugin_name, result if hook.firstresult else (result[0] if result else None)))
         return results
 
@@ -450,7 +455,7 @@ class HookRelay:
         failures = []
         for impl in hook.impls:
             try:
-                self._run(_HookCall(hook_name, (impl,), hook.firstresult), kwargs, impl.plugin_name)
+                self.run(HookCall(hook_name, hook.firstresult, (impl,)), kwargs, impl.plugin_name)
             except Exception as exc:
                 failures.append(exc)
         return failures
@@ -469,7 +474,7 @@ class HookRelay:
                 error.add_note(f"torchloom: during clean-up, hook {hook_name!r} also raised {failure!r}")
         return error
 
-    def _run(self, hook: _HookCall, kwargs: Mapping[str, Any], plugin: str | None = None) -> Any:
+    def run(self, hook: HookCall, kwargs: Mapping[str, Any], plugin: str | None = None) -> Any:
         """The one dispatch: call ``hook``'s implementations in its order, as pluggy's ``_multicall`` does.
 
         Implementations that are all plain are called here, each with the arguments it names (results that are not
@@ -484,8 +489,8 @@ class HookRelay:
             if not hook.plain:
                 return _multicall(hook.name, hook.multicall, kwargs, hook.firstresult)
             results = []
-            for function, argnames in hook.calls:
-                result = function(*[kwargs[name] for name in argnames])
+            for impl in hook.impls:
+                result = impl.function(*[kwargs[name] for name in impl.argnames])
                 if result is not None:
                     if hook.firstresult:
                         return result
@@ -529,6 +534,6 @@ def _raising_plugin(exc: BaseException, impls: Sequence[Any]) -> str | None:
     return culprit
 
 
-def _trace_call(hook: _HookCall) -> None:
+def _trace_call(hook: HookCall) -> None:
     names = ", ".join(impl.plugin_name for impl in hook.impls) or "(no implementations)"
     print(f"[torchloom] {hook.name}: {names}", file=sys.stderr)

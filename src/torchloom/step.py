@@ -74,11 +74,12 @@ class StepHooks:
     """
 
     def __init__(self, relay: HookRelay, log: Any, skip_nonfinite: bool, agreement: RankAgreement) -> None:
-        self._call = relay.call_with
+        self._run = relay.run
         self.log = log
-        self._before_backward = relay.implemented("before_backward")
-        self._before_optimizer_step = relay.implemented("before_optimizer_step")
-        self._after_optimizer_step = relay.implemented("after_optimizer_step")
+        #: the relay's call lists of the three hooks (kept up to date by the relay; empty: nobody implements it)
+        self._before_backward = relay.hook("before_backward")
+        self._before_optimizer_step = relay.hook("before_optimizer_step")
+        self._after_optimizer_step = relay.hook("after_optimizer_step")
         self._skip_nonfinite, self._agreement = skip_nonfinite, agreement
         self._window_nonfinite: torch.Tensor | None = None  # on the device: a non-finite loss in this window
         self._outcome = StepOutcome()
@@ -92,8 +93,8 @@ class StepHooks:
         if self._skip_nonfinite:
             bad = ~torch.isfinite(outputs["loss"].detach())
             self._window_nonfinite = bad if self._window_nonfinite is None else self._window_nonfinite | bad
-        if self._before_backward:
-            self._call("before_backward", {"outputs": outputs, "accelerator": accelerator, "progress": progress})
+        if self._before_backward.impls:
+            self._run(self._before_backward, {"outputs": outputs, "accelerator": accelerator, "progress": progress})
 
     def optimizer_step(
         self, model: torch.nn.Module, optimizer: Any, scheduler: Any, accelerator: Accelerator, progress: Progress
@@ -137,9 +138,9 @@ class StepHooks:
         """Fire ``before_optimizer_step`` (for a step that calls ``optimizer.step()`` itself instead of
         `optimizer_step`): once per optimizer step, after the last backward of the window and before
         ``optimizer.step()``."""
-        if self._before_optimizer_step:
-            self._call(
-                "before_optimizer_step",
+        if self._before_optimizer_step.impls:
+            self._run(
+                self._before_optimizer_step,
                 {
                     "model": model,
                     "optimizer": optimizer,
@@ -154,9 +155,9 @@ class StepHooks:
     ) -> None:
         """Fire ``after_optimizer_step`` (for a step that calls ``optimizer.step()`` itself): once per optimizer
         step, after ``optimizer.step()``, the scheduler step and ``zero_grad``."""
-        if self._after_optimizer_step:
-            self._call(
-                "after_optimizer_step",
+        if self._after_optimizer_step.impls:
+            self._run(
+                self._after_optimizer_step,
                 {
                     "model": model,
                     "optimizer": optimizer,
