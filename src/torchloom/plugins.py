@@ -327,7 +327,7 @@ class HookCall:
     default (which only pluggy's ``_multicall`` passes); ``multicall`` is the list as ``_multicall`` takes it (it
     calls from the end)."""
 
-    __slots__ = ("firstresult", "impls", "multicall", "name", "plain")
+    __slots__ = ("calls", "firstresult", "impls", "multicall", "name", "plain")
 
     def __init__(self, name: str, firstresult: bool, impls: Sequence[Any] = ()) -> None:
         self.name, self.firstresult = name, firstresult
@@ -335,6 +335,7 @@ class HookCall:
 
     def set(self, impls: Sequence[Any]) -> None:
         self.impls = tuple(impls)
+        self.calls = tuple((impl.function, tuple(impl.argnames)) for impl in self.impls)  # for the plain loop
         self.plain = not any(_is_wrapper(impl) or getattr(impl, "kwargnames", ()) for impl in self.impls)
         self.multicall = self.impls[::-1]
 
@@ -486,16 +487,16 @@ class HookRelay:
         if self._trace:
             _trace_call(hook)
         try:
-            if not hook.plain:
-                return _multicall(hook.name, hook.multicall, kwargs, hook.firstresult)
-            results = []
-            for impl in hook.impls:
-                result = impl.function(*[kwargs[name] for name in impl.argnames])
-                if result is not None:
-                    if hook.firstresult:
-                        return result
-                    results.append(result)
-            return None if hook.firstresult else results
+            if hook.plain:
+                results = []
+                for function, argnames in hook.calls:
+                    result = function(*[kwargs[name] for name in argnames])
+                    if result is not None:
+                        if hook.firstresult:
+                            return result
+                        results.append(result)
+                return None if hook.firstresult else results
+            return _multicall(hook.name, hook.multicall, kwargs, hook.firstresult)
         except BaseException as exc:
             if self._trace:
                 print(f"[torchloom] {hook.name} raised {exc!r}", file=sys.stderr)
