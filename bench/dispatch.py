@@ -7,7 +7,7 @@ no-op (`workloads.NOOP_SETTINGS`); the realistic set (grad_accum 2, bf16, grad_c
 
 **Sampled** (py-spy). One fit per plugin set runs in a child process under ``py-spy record --nonblocking`` (about
 1000 samples a second, read from outside the process, which is not stopped). A sample of the training loop (its
-stack has the engine's ``_train_epoch``) counts as dispatch when its innermost Python frame is dispatch code:
+stack has the loop's ``FitLoop._epoch``) counts as dispatch when its innermost Python frame is dispatch code:
 pluggy's, torchloom/plugins.py (``HookRelay.call``) or torchloom/step.py (`StepHooks`); time in C code (a torch
 op) is charged to the Python frame that called it. Dispatch per micro-step = the fraction of samples x the time
 per micro-step, +- one binomial standard error. Samples in the engine's own files (engine.py, the log buffer,
@@ -62,7 +62,7 @@ if os.path.dirname(os.path.abspath(__file__)) not in map(os.path.abspath, sys.pa
 import workloads
 
 import torchloom
-from torchloom import StepHooks
+from torchloom import RankAgreement, StepHooks
 from torchloom.hookspecs import PROJECT_NAME
 from torchloom.plugins import HookRelay  # the engine's dispatcher: what this measures (not public API)
 
@@ -355,7 +355,7 @@ def _check_method(n: int = 1500) -> dict[str, dict[str, float]]:
 
     def paths(plugin: Any) -> dict[str, Any]:
         relay = HookRelay([plugin])
-        hooks = StepHooks(relay, None)
+        hooks = StepHooks(relay, None, False, RankAgreement(1))
         return {
             "run_train_step (HookRelay.call)": lambda: relay.call("run_train_step", **step_kwargs, hooks=hooks),
             "before_optimizer_step (StepHooks)": lambda: hooks.before_optimizer_step(1, 2, 3, 4),
@@ -403,10 +403,11 @@ def _check_method(n: int = 1500) -> dict[str, dict[str, float]]:
 DISPATCH_FILES = (f"pluggy{os.sep}", f"torchloom{os.sep}plugins.py", f"torchloom{os.sep}step.py")
 #: The engine's own per-step code (counted apart: engine overhead that is not hook dispatch).
 ENGINE_FILES = tuple(
-    f"torchloom{os.sep}{name}" for name in ("engine.py", "_logbuffer.py", "_logging.py", "progress.py", "_guards.py")
+    f"torchloom{os.sep}{name}"
+    for name in ("engine.py", "_loop.py", "_logbuffer.py", "_logging.py", "progress.py", "_guards.py")
 )
-#: A frame that every sample of the training loop has (set-up and teardown samples are left out).
-LOOP_FRAME = "_train_epoch ("
+#: (function, file) of a frame that every sample of the training loop has (set-up and teardown samples are left out).
+LOOP_FRAME = "_epoch (", f"torchloom{os.sep}_loop.py"
 
 
 def _child_fit(label: str, warmup: int, steps: int, out: str) -> None:
@@ -440,7 +441,7 @@ def sample_with_py_spy(label: str, warmup: int, steps: int, rate: int) -> dict[s
         with open(raw) as f:
             for line in f:
                 stack, _, count = line.rstrip("\n").rpartition(" ")
-                if LOOP_FRAME not in stack:
+                if not any(LOOP_FRAME[0] in frame and LOOP_FRAME[1] in frame for frame in stack.split(";")):
                     continue
                 n = int(count)
                 loop += n

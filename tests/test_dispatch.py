@@ -1,14 +1,18 @@
-"""Hook dispatch: the relay's plain-hook path calls what pluggy would, in the same order with the same results,
-and a plugin's ``inactive_hooks`` are never registered (so the loop never calls them)."""
+"""Hook dispatch: the relay calls what pluggy would, in the same order (tryfirst, trylast, wrappers, reversed hooks)
+with the same results, from call lists rebuilt on every (un)registration; a plugin's ``inactive_hooks`` are never
+registered (so the loop never calls them)."""
 
 from __future__ import annotations
 
+import pluggy
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchloom
-from torchloom.plugins import TRACE_ENV, HookRelay
+from torchloom import hookspecs
+from torchloom.hookspecs import PROJECT_NAME
+from torchloom.plugins import TRACE_ENV, HookRelay, _is_reversed
 
 
 class Recorder:
@@ -28,31 +32,117 @@ class Recorder:
         return self.result
 
 
-def _calls(monkeypatch, trace: bool):
-    if trace:
-        monkeypatch.setenv(TRACE_ENV, "1")
-    else:
-        monkeypatch.delenv(TRACE_ENV, raising=False)
+def _pluggy_manager(plugins, hook_name: str) -> pluggy.PluginManager:
+    """A bare pluggy manager registered so that pluggy calls ``hook_name`` in the relay's documented order
+    (pluggy calls the last registered first): what the relay's dispatch must equal."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    for plugin in plugins if _is_reversed(hook_name) else reversed(plugins):
+        pm.register(plugin, name=torchloom.plugins.plugin_name(plugin))
+    return pm
+
+
+KWARGS = {"model": "M", "optimizer": None, "accelerator": None, "progress": "P", "log": "L"}
+CALLS = [
+    ("before_optimizer_step", KWARGS),
+    ("after_optimizer_step", {"scheduler": None, **KWARGS}),
+    ("configure_accelerator", {"config": None}),
+    ("on_train_batch_start", {"batch": None, "accelerator": None, "progress": None}),  # nobody implements it
+]
+
+
+def test_the_relay_calls_what_pluggy_calls_in_the_same_order(monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
     calls: list = []
-    relay = HookRelay([Recorder("a", calls, {"x": 1}), Recorder("b", calls), Recorder("c", calls, {"y": 2})])
-    kwargs = {"model": "M", "optimizer": None, "accelerator": None, "progress": "P", "log": "L"}
-    results = [
-        relay.call("before_optimizer_step", **kwargs),
-        relay.call("after_optimizer_step", scheduler=None, **kwargs),
-        relay.call("configure_accelerator", config=None),
-        relay.call("on_train_batch_start", batch=None, accelerator=None, progress=None),  # nobody implements it
-    ]
-    return calls, results, bool(relay._plain)
+    plugins = [Recorder("a", calls, {"x": 1}), Recorder("b", calls), Recorder("c", calls, {"y": 2})]
+    relay = HookRelay(plugins)
+    results = [relay.call(name, **kwargs) for name, kwargs in CALLS]
+    through_relay, calls[:] = list(calls), []
+    expected = [getattr(_pluggy_manager(plugins, name).hook, name)(**kwargs) for name, kwargs in CALLS]
+    assert through_relay == calls and results == expected
+    assert [c[0] for c in through_relay] == ["a", "b", "c", "c", "b", "a"]  # forward, then reversed for after_*
+    assert results[0] == [] and results[3] == []
+    assert results[2] == [{"x": 1}, {"y": 2}]  # results that are not None, in call order
 
 
-def test_the_plain_path_calls_what_pluggy_calls_in_the_same_order(monkeypatch, capsys):
-    direct = _calls(monkeypatch, trace=False)
-    through_pluggy = _calls(monkeypatch, trace=True)  # tracing sends every call through pluggy
-    assert direct[2] and not through_pluggy[2]
-    assert direct[:2] == through_pluggy[:2]
-    assert [c[0] for c in direct[0]] == ["a", "b", "c", "c", "b", "a"]  # forward, then reversed for after_*
-    assert direct[1][0] == [] and direct[1][3] == []
-    assert direct[1][2] == [{"x": 1}, {"y": 2}]  # results that are not None, in call order
+class Marked:
+    """Implementations of two hooks, one run forward and one reversed, with pluggy's ordering marks and wrappers;
+    each records its name as it runs and returns it."""
+
+    def __init__(self, name: str, kind: str, calls: list) -> None:
+        self.name, self.kind, self.calls = name, kind, calls
+        for hook in ("on_train_epoch_start", "on_train_epoch_end"):
+            setattr(self, hook, self._impl())
+
+    def _impl(self):
+        kind, calls, name = self.kind, self.calls, self.name
+        if kind in ("wrapper", "hookwrapper"):
+
+            def wrap(progress):
+                calls.append(f"{name}>")
+                outcome = yield
+                calls.append(f"<{name}")
+                return [*outcome, name] if kind == "wrapper" else None
+
+            return torchloom.hookimpl(**{kind: True})(wrap)
+
+        def impl(progress):
+            calls.append(name)
+            return name
+
+        return torchloom.hookimpl(tryfirst=kind == "tryfirst", trylast=kind == "trylast")(impl)
+
+
+KINDS = ["plain", "tryfirst", "trylast", "plain", "wrapper", "trylast", "hookwrapper", "tryfirst", "plain"]
+
+
+@pytest.mark.parametrize("hook", ["on_train_epoch_start", "on_train_epoch_end"])
+def test_tryfirst_trylast_and_wrappers_order_as_pluggy_orders_them(monkeypatch, hook):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    calls: list = []
+    plugins = [Marked(f"p{i}_{kind}", kind, calls) for i, kind in enumerate(KINDS)]
+    relay = HookRelay(plugins)
+    got = relay.call(hook, accelerator=None, progress=None, log=None)
+    through_relay, calls[:] = list(calls), []
+    expected = getattr(_pluggy_manager(plugins, hook).hook, hook)(accelerator=None, progress=None, log=None)
+    assert (through_relay, got) == (calls, expected)
+    assert relay.call_order(hook) == [c.rstrip(">") for c in calls if not c.startswith("<")]
+    assert relay.wrappers(hook) == [c[:-1] for c in calls if c.endswith(">")]
+
+
+def test_a_reversed_hook_runs_the_forward_list_reversed(monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    calls: list = []
+    plugins = [Marked(f"p{i}", "plain", calls) for i in range(4)]
+    relay = HookRelay(plugins)
+    forward, backward = relay.call_order("on_train_epoch_start"), relay.call_order("on_train_epoch_end")
+    assert forward == ["p0", "p1", "p2", "p3"] and backward == forward[::-1]
+    assert relay.call_all("on_train_epoch_end", accelerator=None, progress=None) == []
+    assert calls == backward  # the clean-up order is the same list, one implementation at a time
+
+
+def test_the_call_lists_are_rebuilt_when_a_plugin_is_registered_or_unregistered(monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    calls: list = []
+    a, b, c = (Recorder(name, calls) for name in "abc")
+    relay = HookRelay([a])
+    kept = relay.hook("before_optimizer_step")  # as StepHooks and the loop keep it
+    assert not relay.implemented("on_train_epoch_start")
+    relay.call("before_optimizer_step", **KWARGS)
+    relay.register(b)
+    relay.register(c)
+    assert [impl.plugin_name for impl in kept.impls] == ["a", "b", "c"]
+    relay.call("before_optimizer_step", **KWARGS)
+    relay.call("after_optimizer_step", scheduler=None, **KWARGS)
+    assert [call[0] for call in calls] == ["a", "a", "b", "c", "c", "b", "a"]
+    relay.unregister(b)
+    calls.clear()
+    relay.call("before_optimizer_step", **KWARGS)
+    assert [call[0] for call in calls] == ["a", "c"]
+    assert relay.call_order("after_optimizer_step") == ["c", "a"] and relay.plugins == [a, c]
+    assert kept is relay.hook("before_optimizer_step") and [impl.plugin_name for impl in kept.impls] == ["a", "c"]
+    with pytest.raises(torchloom.PluginError, match="cannot be registered"):
+        relay.register(Recorder("a", calls))  # a second plugin named 'a'
 
 
 def test_a_plain_hook_that_raises_is_named_in_a_note(monkeypatch):

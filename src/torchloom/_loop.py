@@ -80,7 +80,8 @@ class FitLoop:
         self._save_point: tuple[int, int, bool] | None = None
         self._watch = Watch()  # the epoch's states before the look-ahead fetch, for a checkpoint
         self._last_saved: tuple[int, str] | None = None  # (global_step, path) of this fit's latest checkpoint
-        self._relay_has = {name: run.relay.implemented(name) for name in ("on_train_batch_start", "on_train_batch_end")}
+        self._batch_start = run.relay.hook("on_train_batch_start")  # call lists: skipped while empty
+        self._batch_end = run.relay.hook("on_train_batch_end")
         #: A failure of ``on_fit_end`` itself, after a fit that succeeded (the engine raises it after ``teardown``).
         self.cleanup_failure: BaseException | None = None
 
@@ -206,13 +207,13 @@ class FitLoop:
         stop."""
         run, state = self.run, self.state
         progress = state.progress()
-        if self._relay_has["on_train_batch_start"]:
+        if self._batch_start.impls:
             run.relay.call("on_train_batch_start", batch=batch, accelerator=run.accelerator, progress=progress)
         outputs = self._train_step(batch, progress)
         self._count(self.hooks.take_outcome())
         if self._samples is not None:  # the main process: the batch's size from its shape (no device sync)
             self._samples = _batch_size(batch, self._samples)
-        if self._relay_has["on_train_batch_end"]:
+        if self._batch_end.impls:
             run.relay.call(
                 "on_train_batch_end",
                 outputs=outputs,

@@ -115,12 +115,13 @@ class StepHooks:
     """
 
     def __init__(self, relay: HookRelay, log: Any, skip_nonfinite: bool, agreement: RankAgreement) -> None:
-        self._call = relay.call_with
+        self._run = relay.run
         self.log = log
-        self._before_backward = relay.implemented("before_backward")
-        self._after_window_discard = relay.implemented("after_window_discard")
-        self._before_optimizer_step = relay.implemented("before_optimizer_step")
-        self._after_optimizer_step = relay.implemented("after_optimizer_step")
+        #: the relay's call lists of these hooks (kept up to date by the relay; empty: nobody implements it)
+        self._before_backward = relay.hook("before_backward")
+        self._after_window_discard = relay.hook("after_window_discard")
+        self._before_optimizer_step = relay.hook("before_optimizer_step")
+        self._after_optimizer_step = relay.hook("after_optimizer_step")
         self._skip_nonfinite, self._agreement = skip_nonfinite, agreement
         self._window_nonfinite: torch.Tensor | None = None  # on the device: a non-finite loss in this window
         self._outcome = StepOutcome()
@@ -134,8 +135,8 @@ class StepHooks:
         if self._skip_nonfinite:
             bad = ~torch.isfinite(outputs["loss"].detach())
             self._window_nonfinite = bad if self._window_nonfinite is None else self._window_nonfinite | bad
-        if self._before_backward:
-            self._call("before_backward", {"outputs": outputs, "accelerator": accelerator, "progress": progress})
+        if self._before_backward.impls:
+            self._run(self._before_backward, {"outputs": outputs, "accelerator": accelerator, "progress": progress})
 
     def optimizer_step(
         self,
@@ -238,8 +239,8 @@ class StepHooks:
         `WindowOutOfMemory`); the micro-batches redone after it are the window's only ones."""
         optimizer.zero_grad(set_to_none=True)
         self._window_nonfinite = None
-        if self._after_window_discard:
-            self._call("after_window_discard", {"accelerator": accelerator, "progress": progress})
+        if self._after_window_discard.impls:
+            self._run(self._after_window_discard, {"accelerator": accelerator, "progress": progress})
 
     def before_optimizer_step(
         self, model: torch.nn.Module, optimizer: Any, accelerator: Accelerator, progress: Progress
@@ -247,9 +248,9 @@ class StepHooks:
         """Fire ``before_optimizer_step`` (for a step that calls ``optimizer.step()`` itself instead of
         `optimizer_step`): once per optimizer step, after the last backward of the window and before
         ``optimizer.step()``."""
-        if self._before_optimizer_step:
-            self._call(
-                "before_optimizer_step",
+        if self._before_optimizer_step.impls:
+            self._run(
+                self._before_optimizer_step,
                 {
                     "model": model,
                     "optimizer": optimizer,
@@ -264,9 +265,9 @@ class StepHooks:
     ) -> None:
         """Fire ``after_optimizer_step`` (for a step that calls ``optimizer.step()`` itself): once per optimizer
         step, after ``optimizer.step()``, the scheduler step and ``zero_grad``."""
-        if self._after_optimizer_step:
-            self._call(
-                "after_optimizer_step",
+        if self._after_optimizer_step.impls:
+            self._run(
+                self._after_optimizer_step,
                 {
                     "model": model,
                     "optimizer": optimizer,
