@@ -20,7 +20,7 @@ from torchloom._accelerator import note_run_failed
 from torchloom._async_save import PendingCheckpoint, start_async_save
 from torchloom._batch_limits import limited
 from torchloom._context import RunContext, activate
-from torchloom._data_position import data_order, position, resume_point
+from torchloom._data_position import data_order, position, resume_point, skip_batches
 from torchloom._evaluation import validation_pass
 from torchloom._fit_state import FitState
 from torchloom._guards import NEGATIVE_ITEMS, check_same_length, check_step_outputs, check_training, stop_iteration
@@ -158,7 +158,7 @@ class FitLoop:
         state.epoch, state.batch_idx = epoch, skip
         relay.call("on_train_epoch_start", accelerator=run.accelerator, progress=state.progress())
         done, batches, limit = False, 0, run.train_batches
-        source = run.accelerator.skip_first_batches(loader, skip) if skip else loader
+        source = skip_batches(run.accelerator, loader, skip) if skip else loader
         # Under a batch limit (limit_train_batches, overfit_batches, fast_dev_run) the epoch ends after its
         # last batch, which ends an open accumulation window with an optimizer step, as a whole epoch's last does.
         for batch_idx, batch in enumerate(limited(source, limit, skip, end_of_data=True), skip):
