@@ -167,7 +167,7 @@ def skip_batches(accelerator: Any, loader: Any, skip: int) -> Any:
     order in one step instead (`_IndexSkipBatchSampler`): no batch is built, so a resume at 90 % of a long epoch
     starts as fast as one at 10 %. The batches that follow are the same."""
     skipped = accelerator.skip_first_batches(loader, skip)
-    sampler = getattr(skipped, "batch_sampler", None)
+    sampler: Any = getattr(skipped, "batch_sampler", None)
     if type(sampler) is SkipBatchSampler and type(sampler.batch_sampler) is BatchSampler:
         sampler.__class__ = _IndexSkipBatchSampler
     return skipped
