@@ -253,13 +253,14 @@ def test_a_failed_fit_waits_for_the_save_in_flight_and_keeps_its_own_error(tmp_p
         max_epochs=1,
         seed=0,
         default_plugins=False,
-        plugins=[Checkpoint(every_n_steps=4, every_n_epochs=None, async_save=True)],
+        plugins=[Checkpoint(every_n_steps=2, every_n_epochs=None, keep_last=1, async_save=True)],
     )
     with pytest.raises(ValueError, match="the task failed"):
         engine.fit(FailAt(6))
     checkpoint = _checkpoints(engine) / "step-00000004"
     verify_files(checkpoint, read_manifest(checkpoint))  # completed: its state was copied before the failure
-    assert _temporary(_checkpoints(engine)) == []
+    assert sorted(os.listdir(_checkpoints(engine))) == ["step-00000004"]  # and kept as the last one
+    assert engine.plugins[0].saved == [str(checkpoint)]
 
 
 @pytest.mark.parametrize(

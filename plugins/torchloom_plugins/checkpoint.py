@@ -16,10 +16,10 @@ Method card
   the checkpoint a resumed fit continues (never deleted while it runs) and installs the signal handlers (main
   thread); ``on_log`` records the monitored value;
   ``on_train_step_end`` saves on the step schedule and acts on an interrupt; ``on_train_epoch_end`` saves on the
-  epoch schedule; ``on_train_end`` marks the fit completed and ``on_fit_end`` warns (main process) when
-  ``monitor`` was never logged or no save came at a step where it was logged (`torchloom.Monitor`, which also
-  warns when the plugin is made if ``mode`` reads wrong for the name); ``teardown`` puts the previous signal
-  handlers back.
+  epoch schedule; ``on_train_end`` completes a save in flight (``async_save``) and marks the fit completed and
+  ``on_fit_end`` warns (main process) when ``monitor`` was never logged or no save came at a step where it was
+  logged (`torchloom.Monitor`, which also warns when the plugin is made if ``mode`` reads wrong for the name);
+  ``teardown`` puts the previous signal handlers back.
 - **Processes:** every process calls `torchloom.save_checkpoint` at the same step (a schedule of steps and epochs is
   the same everywhere). A signal reaches the processes at different moments, so the flag is agreed over them
   (`torchloom.RankAgreement.max_later`: a max all-reduce on the run's CPU group), started without waiting at each
@@ -31,6 +31,9 @@ Method card
   one is complete, each by a rename out of sight first, so a kill at any moment leaves the newest complete
   checkpoint loadable. ``keep_across_runs`` deletes nothing of a run that another process is still running (its
   run directory is marked in use while its fit runs).
+- **Background:** with ``async_save`` the state is copied to host memory at the save step and written by a
+  thread (`torchloom.save_checkpoint_async`); the manifest, the rename and the retention come at the next save or
+  at the end of training, at most one save in flight.
 - **Sources:** Lightning's ``ModelCheckpoint`` (``every_n_train_steps``, ``every_n_epochs``, ``save_top_k`` with
   ``monitor`` / ``mode``, ``save_last``) and its SIGTERM handling for SLURM; the HF Trainer's ``save_steps`` /
   ``save_total_limit``; Accelerate's ``save_state``.
@@ -158,6 +161,7 @@ class Checkpoint(torchloom.Plugin):
         self._off = False  # a fast_dev_run (the engine's is_fast_dev_run, at setup): nothing is saved
         # async_save: the checkpoint in flight, with the step and the monitored value it was saved with
         self._in_flight: tuple[torchloom.PendingCheckpoint, int, float | None] | None = None
+        self._accelerator: Any = None  # the fit's (on_fit_start), for a save still in flight at teardown
         if self.config.every_n_steps is None and not self.config.save_on_interrupt:  # saves at epoch ends only
             self.inactive_hooks = frozenset({"on_train_step_end"})
 
@@ -174,7 +178,7 @@ class Checkpoint(torchloom.Plugin):
     @torchloom.hookimpl
     def on_fit_start(self, accelerator, resumed) -> None:
         self.saved, self.scores, self._value, self._signal, self._pending = [], {}, None, None, None
-        self._in_flight = None
+        self._in_flight, self._accelerator = None, accelerator
         self.resumed_from = None if resumed is None else resumed.checkpoint
         self._completed = False
         if self._monitor is not None:
@@ -246,7 +250,7 @@ class Checkpoint(torchloom.Plugin):
 
     @torchloom.hookimpl
     def teardown(self) -> None:
-        self._in_flight = None  # the engine settled it (a failed fit: completed on one process, else discarded)
+        self._after_failure()
         for number, handler in self._previous_handlers.items():
             signal.signal(number, handler)
         self._previous_handlers.clear()
@@ -279,6 +283,21 @@ class Checkpoint(torchloom.Plugin):
         path = torchloom.save_checkpoint()
         self._record(accelerator, path, self._value)
         return path
+
+    def _after_failure(self) -> None:
+        """A fit that failed with a save in flight: the engine completed it (one process) or discarded it (several);
+        a completed one is kept and counted as any other (on one process: no collective)."""
+        in_flight, accelerator, self._in_flight = self._in_flight, self._accelerator, None
+        if in_flight is None or accelerator is None or accelerator.num_processes > 1 or not in_flight[0].settled:
+            return
+        try:
+            path = in_flight[0].result()
+        except Exception:  # failed or discarded: the engine warned
+            return
+        try:
+            self._record(accelerator, path, in_flight[2])
+        except Exception as exc:  # a deletion failed: the fit's own error stays the one raised
+            torchloom.warn(f"checkpoint: after the fit failed, keeping {path!r}: {exc}")
 
     def _settle(self, accelerator) -> None:
         """Wait for the save in flight (every process, at the same point) and keep it as a complete checkpoint."""
