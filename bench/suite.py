@@ -1,6 +1,7 @@
 """The benchmark suite that ``nox -s bench`` runs: every part in its own process, one Markdown table, one JSON file.
 
-    python bench/suite.py                    # everything (5-8 minutes on the 2-core project machine)
+    python bench/suite.py                    # everything (5-8 minutes on the 2-core project machine, and
+                                             # checkpoint_io 1.5-6 minutes more, with the machine's load)
     python bench/suite.py --quick            # fewer rounds: a check that every part runs (noisier)
     python bench/suite.py --parts startup,w1 # some parts
     python bench/suite.py --out bench/results
