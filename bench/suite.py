@@ -1,6 +1,7 @@
 """The benchmark suite that ``nox -s bench`` runs: every part in its own process, one Markdown table, one JSON file.
 
-    python bench/suite.py                    # everything (5-8 minutes on the 2-core project machine)
+    python bench/suite.py                    # everything (5-8 minutes on the 2-core project machine, and
+                                             # checkpoint_io 1.5-6 minutes more, with the machine's load)
     python bench/suite.py --quick            # fewer rounds: a check that every part runs (noisier)
     python bench/suite.py --parts startup,w1 # some parts
     python bench/suite.py --out bench/results
@@ -19,6 +20,8 @@ Parts, in the order they run (see each script's docstring for its method):
                         (12-layer GPT-2 from a config)
 ``optimizer_memory``    bench/optimizer_memory.py: optimizer state bytes per optimizer on the example model
 ``compile``             bench/compile_speed.py: compile time and steady-state step of the ``compile`` plugin
+``checkpoint_io``       bench/checkpoint_io.py: checkpoint write MB/s vs a plain safetensors save, the stall of
+                        a step that saves (synchronous vs ``async_save``), resume start-up at 10/50/90 % of an epoch
 ======================  ========================================================================================
 
 ``bench/diloco.py`` (2 processes, a few minutes) is not part of the suite: run it on its own.
@@ -54,8 +57,13 @@ PARTS: dict[str, tuple[str, list[str], list[str]]] = {
     "activation_memory": ("activation_memory.py", ["--kind", "gpt2", "--blocks", "12"], ["--kind", "gpt2"]),
     "optimizer_memory": ("optimizer_memory.py", [], []),
     "compile": ("compile_speed.py", [], ["--steps", "10"]),
+    "checkpoint_io": (
+        "checkpoint_io.py",
+        [],
+        ["--rounds", "2", "--stall-rounds", "1", "--resume-rounds", "3", "--every", "10", "--samples", "20000"],
+    ),
 }
-JSON_PARTS = {"startup", "w1", "dispatch", "w2", "activation_memory", "optimizer_memory"}
+JSON_PARTS = {"startup", "w1", "dispatch", "w2", "activation_memory", "optimizer_memory", "checkpoint_io"}
 
 
 def run_part(name: str, quick: bool, env: dict[str, str]) -> dict[str, Any]:
@@ -230,8 +238,10 @@ def report(meta: dict[str, Any], parts: dict[str, Any]) -> str:
         "activation_memory": "Activation memory with and without grad_checkpoint",
         "optimizer_memory": "Optimizer state",
         "compile": "Compile speed (bench/compile_speed.py)",
+        "checkpoint_io": "Checkpoint saves and resumes (bench/checkpoint_io.py, issue 27 item 5)",
     }
     import activation_memory
+    import checkpoint_io
     import dispatch
     import engine_overhead
     import optimizer_memory
@@ -243,6 +253,7 @@ def report(meta: dict[str, Any], parts: dict[str, Any]) -> str:
         "dispatch": dispatch.format_table,
         "startup": startup.format_table,
         "optimizer_memory": optimizer_memory.format_table,
+        "checkpoint_io": checkpoint_io.format_report,
     }
     shown: set[str] = set()  # a note (e.g. which built-ins the no-op set leaves out) is shown once
     for name, part in parts.items():

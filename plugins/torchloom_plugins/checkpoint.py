@@ -16,10 +16,10 @@ Method card
   the checkpoint a resumed fit continues (never deleted while it runs) and installs the signal handlers (main
   thread); ``on_log`` records the monitored value;
   ``on_train_step_end`` saves on the step schedule and acts on an interrupt; ``on_train_epoch_end`` saves on the
-  epoch schedule; ``on_train_end`` marks the fit completed and ``on_fit_end`` warns (main process) when
-  ``monitor`` was never logged or no save came at a step where it was logged (`torchloom.Monitor`, which also
-  warns when the plugin is made if ``mode`` reads wrong for the name); ``teardown`` puts the previous signal
-  handlers back.
+  epoch schedule; ``on_train_end`` completes a save in flight (``async_save``) and marks the fit completed and
+  ``on_fit_end`` warns (main process) when ``monitor`` was never logged or no save came at a step where it was
+  logged (`torchloom.Monitor`, which also warns when the plugin is made if ``mode`` reads wrong for the name);
+  ``teardown`` puts the previous signal handlers back.
 - **Processes:** every process calls `torchloom.save_checkpoint` at the same step (a schedule of steps and epochs is
   the same everywhere). A signal reaches the processes at different moments, so the flag is agreed over them
   (`torchloom.RankAgreement.max_later`: a max all-reduce on the run's CPU group), started without waiting at each
@@ -31,6 +31,9 @@ Method card
   one is complete, each by a rename out of sight first, so a kill at any moment leaves the newest complete
   checkpoint loadable. ``keep_across_runs`` deletes nothing of a run that another process is still running (its
   run directory is marked in use while its fit runs).
+- **Background:** with ``async_save`` the state is copied to host memory at the save step and written by a
+  thread (`torchloom.save_checkpoint_async`); the manifest, the rename and the retention come at the next save or
+  at the end of training, at most one save in flight.
 - **Sources:** Lightning's ``ModelCheckpoint`` (``every_n_train_steps``, ``every_n_epochs``, ``save_top_k`` with
   ``monitor`` / ``mode``, ``save_last``) and its SIGTERM handling for SLURM; the HF Trainer's ``save_steps`` /
   ``save_total_limit``; Accelerate's ``save_state``.
@@ -50,6 +53,8 @@ import torchloom
 __all__ = ["Checkpoint", "CheckpointConfig"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Accelerate's distributed types whose checkpoints cannot be written in the background (sharded saves).
+ASYNC_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 
 
 @dataclass
@@ -75,6 +80,12 @@ class CheckpointConfig:
             alone.
         save_on_interrupt (`bool`, defaults to True): on SIGTERM or SIGINT (Ctrl-C) during a fit, save at the next
             optimizer step and stop with `torchloom.TrainingInterrupted`; a second Ctrl-C stops at once.
+        async_save (`bool`, defaults to False): save in the background (`torchloom.save_checkpoint_async`): the
+            state is copied once to host memory at the save step (memory: one copy of the model, optimizer and
+            plugin states), then written by a thread while training goes on; the manifest and the rename come at
+            the next save or at the end of training. At most one save is in flight (a save waits for the one
+            before); ``keep_last`` / ``keep_best`` count a checkpoint once it is complete; the save on SIGTERM is
+            synchronous. One process or DDP only (not FSDP / DeepSpeed).
 
     Raises:
         ConfigError: a count below 1 (``keep_across_runs`` included), no schedule at all, an unknown ``mode``,
@@ -89,6 +100,7 @@ class CheckpointConfig:
     keep_best: int = 1  # with monitor: also keep this many best ones
     keep_across_runs: int | None = None  # at most this many over all the runs of output_dir (None: no bound)
     save_on_interrupt: bool = True  # SIGTERM / Ctrl-C: save at the next optimizer step, then stop
+    async_save: bool = False  # copy the state at the save step, write it in a background thread
 
     def __post_init__(self) -> None:
         for setting in ("every_n_steps", "every_n_epochs", "keep_last", "keep_across_runs"):
@@ -147,6 +159,9 @@ class Checkpoint(torchloom.Plugin):
         self._previous_handlers: dict[int, Any] = {}
         self._pending: Any = None  # the interrupt flag's agreement started at the last step (several processes)
         self._off = False  # a fast_dev_run (the engine's is_fast_dev_run, at setup): nothing is saved
+        # async_save: the checkpoint in flight, with the step and the monitored value it was saved with
+        self._in_flight: tuple[torchloom.PendingCheckpoint, int, float | None] | None = None
+        self._accelerator: Any = None  # the fit's (on_fit_start), for a save still in flight at teardown
         if self.config.every_n_steps is None and not self.config.save_on_interrupt:  # saves at epoch ends only
             self.inactive_hooks = frozenset({"on_train_step_end"})
 
@@ -163,10 +178,17 @@ class Checkpoint(torchloom.Plugin):
     @torchloom.hookimpl
     def on_fit_start(self, accelerator, resumed) -> None:
         self.saved, self.scores, self._value, self._signal, self._pending = [], {}, None, None, None
+        self._in_flight, self._accelerator = None, accelerator
         self.resumed_from = None if resumed is None else resumed.checkpoint
         self._completed = False
         if self._monitor is not None:
             self._monitor.start()
+        kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
+        if self.config.async_save and kind in ASYNC_UNSUPPORTED:
+            raise torchloom.ConfigError(
+                f"setting 'async_save' = true: a run with {kind} saves its shards with collectives of its own, "
+                "which a background save cannot run; set async_save: false"
+            )
         if self._off or not self.config.save_on_interrupt:  # a fast_dev_run: Ctrl-C stops it as any program
             return
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread
@@ -193,7 +215,7 @@ class Checkpoint(torchloom.Plugin):
         interrupted = self._interrupt(accelerator)
         steps = self.config.every_n_steps
         if interrupted is not None or (steps is not None and progress.global_step % steps == 0):
-            path = self._save(accelerator, progress.global_step)
+            path = self._save(accelerator, progress.global_step, wait=interrupted is not None)
             if interrupted is not None:
                 raise torchloom.TrainingInterrupted(interrupted, path, progress.global_step)
 
@@ -204,7 +226,8 @@ class Checkpoint(torchloom.Plugin):
             self._save(accelerator, progress.global_step)
 
     @torchloom.hookimpl
-    def on_train_end(self) -> None:
+    def on_train_end(self, accelerator) -> None:
+        self._settle(accelerator)  # the end of training waits for the save in flight
         self._completed = True
 
     @torchloom.hookimpl
@@ -227,6 +250,7 @@ class Checkpoint(torchloom.Plugin):
 
     @torchloom.hookimpl
     def teardown(self) -> None:
+        self._after_failure()
         for number, handler in self._previous_handlers.items():
             signal.signal(number, handler)
         self._previous_handlers.clear()
@@ -246,15 +270,49 @@ class Checkpoint(torchloom.Plugin):
         self._pending = torchloom.rank_agreement().max_later(self._signal or 0)
         return agreed
 
-    def _save(self, accelerator, step: int) -> str:
-        path = torchloom.save_checkpoint()
+    def _save(self, accelerator, step: int, wait: bool = False) -> str:
+        """Save now (``wait``, or without ``async_save``) or start a background save; the bookkeeping of a
+        checkpoint (``saved``, ``scores``, retention) comes once it is complete."""
+        self._settle(accelerator)  # at most one in flight: the previous one is complete first
         if self._monitor is not None:
             self._monitor.use(step)  # whether this checkpoint's score was logged at its own step
+        if self.config.async_save and not wait:
+            pending = torchloom.save_checkpoint_async()
+            self._in_flight = (pending, step, self._value)
+            return pending.path
+        path = torchloom.save_checkpoint()
+        self._record(accelerator, path, self._value)
+        return path
+
+    def _after_failure(self) -> None:
+        """A fit that failed with a save in flight: the engine completed it (one process) or discarded it (several);
+        a completed one is kept and counted as any other (on one process: no collective)."""
+        in_flight, accelerator, self._in_flight = self._in_flight, self._accelerator, None
+        if in_flight is None or accelerator is None or accelerator.num_processes > 1 or not in_flight[0].settled:
+            return
+        try:
+            path = in_flight[0].result()
+        except Exception:  # failed or discarded: the engine warned
+            return
+        try:
+            self._record(accelerator, path, in_flight[2])
+        except Exception as exc:  # a deletion failed: the fit's own error stays the one raised
+            torchloom.warn(f"checkpoint: after the fit failed, keeping {path!r}: {exc}")
+
+    def _settle(self, accelerator) -> None:
+        """Wait for the save in flight (every process, at the same point) and keep it as a complete checkpoint."""
+        if self._in_flight is None:
+            return
+        (pending, _, value), self._in_flight = self._in_flight, None
+        self._record(accelerator, pending.result(), value)
+
+    def _record(self, accelerator, path: str, value: float | None) -> None:
+        """A complete checkpoint: kept as the newest, scored, and the expired ones deleted."""
         if path in self.saved:  # an epoch cut short at a step just saved: the same checkpoint, kept once
             self.saved.remove(path)
         self.saved.append(path)
-        if self._value is not None and not math.isnan(self._value):
-            self.scores[path] = self._value
+        if value is not None and not math.isnan(value):
+            self.scores[path] = value
         expired = self._expired()  # the same on every process; only the main process deletes
         self.saved = [p for p in self.saved if p not in expired]
         if accelerator.is_main_process:
@@ -263,7 +321,6 @@ class Checkpoint(torchloom.Plugin):
                     torchloom.delete_checkpoint(old)
         if self.config.keep_across_runs is not None:
             self._bound_across_runs(accelerator)
-        return path
 
     def _bound_across_runs(self, accelerator) -> None:
         """``keep_across_runs``: the main process deletes the oldest checkpoints of the ``output_dir``'s runs

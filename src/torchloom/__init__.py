@@ -27,6 +27,7 @@ _EXPORTS = {
     "PluginError": "torchloom.errors",
     "MODEL_DIR": "torchloom._layout",
     "Monitor": "torchloom.monitor",
+    "PendingCheckpoint": "torchloom._async_save",
     "PluginInfo": "torchloom.plugins",
     "Progress": "torchloom.progress",
     "Resumed": "torchloom._lineage",
@@ -63,6 +64,7 @@ _EXPORTS = {
     "rank_agreement": "torchloom._context",
     "request_stop": "torchloom._context",
     "save_checkpoint": "torchloom._context",
+    "save_checkpoint_async": "torchloom._context",
     "save_plugin_state": "torchloom.state",
     "warn": "torchloom._warn",
     "write_atomically": "torchloom._atomic",
@@ -78,6 +80,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "Monitor",
+    "PendingCheckpoint",
     "Plugin",
     "PluginError",
     "PluginInfo",
@@ -116,6 +119,7 @@ __all__ = [
     "rank_agreement",
     "request_stop",
     "save_checkpoint",
+    "save_checkpoint_async",
     "save_plugin_state",
     "warn",
     "write_atomically",
@@ -137,9 +141,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from torchloom._agreement import RankAgreement
+    from torchloom._async_save import PendingCheckpoint
     from torchloom._atomic import write_atomically
     from torchloom._bytes import format_bytes
-    from torchloom._context import rank_agreement, request_stop, save_checkpoint
+    from torchloom._context import rank_agreement, request_stop, save_checkpoint, save_checkpoint_async
     from torchloom._flops import estimate_flops
     from torchloom._hf_args import convert_hf_args
     from torchloom._inspect import inspect_path

@@ -24,9 +24,18 @@ if TYPE_CHECKING:
     import torch
 
     from torchloom._agreement import RankAgreement
+    from torchloom._async_save import PendingCheckpoint
     from torchloom._logging import RunLog
 
-__all__ = ["RunContext", "current", "log_to_active_run", "rank_agreement", "request_stop", "save_checkpoint"]
+__all__ = [
+    "RunContext",
+    "current",
+    "log_to_active_run",
+    "rank_agreement",
+    "request_stop",
+    "save_checkpoint",
+    "save_checkpoint_async",
+]
 
 
 @dataclass
@@ -38,12 +47,15 @@ class RunContext:
         agreement (`RankAgreement`): the run's rank agreement.
         saver (`Callable[[str | None], str]`, *optional*): the fit loop's ``save_checkpoint``; ``None`` outside a
             fit.
+        async_saver (`Callable[[str | None], PendingCheckpoint]`, *optional*): the fit loop's
+            ``save_checkpoint_async``; ``None`` outside a fit.
         stop_reason (`str`, *optional*): this process's pending stop request (the first one's reason).
     """
 
     log: RunLog
     agreement: RankAgreement
     saver: Callable[[str | None], str] | None = None
+    async_saver: Callable[[str | None], PendingCheckpoint] | None = None
     stop_reason: str | None = None
 
 
@@ -133,6 +145,38 @@ def save_checkpoint(directory: str | os.PathLike[str] | None = None) -> str:
     saver = current("save_checkpoint()").saver
     if saver is None:
         raise RuntimeError("save_checkpoint() called outside Engine.fit")
+    return saver(None if directory is None else os.fspath(directory))
+
+
+def save_checkpoint_async(directory: str | os.PathLike[str] | None = None) -> PendingCheckpoint:
+    """Save the state of the running fit as `save_checkpoint` does, written in the background; return at once.
+
+    At the call, on every process, the state (the model, the optimizer, the scheduler, the loss scaler, the
+    random states, the data position, every stateful plugin's state) is copied once into host memory (the
+    memory cost: one copy of that state); a thread then writes it in the layout of a synchronous save, and
+    `torchloom.PendingCheckpoint.result`, called on every process at the same point, writes the manifest and
+    renames the checkpoint into place, exactly as a synchronous save does. At most one save is in flight: a
+    save (synchronous or not) first waits for the previous one; the end of training waits for it too (a fit
+    that fails: on one process it is completed, on several discarded). Until it is complete the checkpoint is a
+    temporary directory: a crash leaves the previous checkpoint the latest. One process or DDP only (FSDP and
+    DeepSpeed save their shards with collectives: save synchronously).
+
+    Args:
+        directory (`str` or `os.PathLike`, *optional*): as for `save_checkpoint`.
+
+    Returns:
+        `torchloom.PendingCheckpoint`: its ``path`` is where the checkpoint will be; ``result()`` waits for it.
+
+    Raises:
+        RuntimeError: no fit is running in this thread, or it is called outside ``on_train_step_end`` /
+            ``on_train_epoch_end``.
+        CheckpointError: ``directory`` already exists; the run uses FSDP or DeepSpeed.
+        PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
+        RunFileError: the previous save in flight failed (raised here, on every process).
+    """
+    saver = current("save_checkpoint_async()").async_saver
+    if saver is None:
+        raise RuntimeError("save_checkpoint_async() called outside Engine.fit")
     return saver(None if directory is None else os.fspath(directory))
 
 

@@ -22,12 +22,16 @@ A sample is then never skipped and never trained twice in an epoch. (The HF Trai
 
 from __future__ import annotations
 
+import collections
+import itertools
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from accelerate.data_loader import get_sampler
+from accelerate.data_loader import SkipBatchSampler, get_sampler
+from torch.utils.data import BatchSampler
 
-__all__ = ["DataOrder", "data_order", "layout_problems", "position", "resume_point"]
+__all__ = ["DataOrder", "data_order", "layout_problems", "position", "resume_point", "skip_batches"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,36 @@ def resume_point(saved: dict[str, Any], order: DataOrder) -> tuple[int, int]:
     if samples is None or order.total_batch_size is None:  # no fixed batch size: the same batches, as counted
         return epoch, saved["batches_done"]
     return epoch, samples // order.total_batch_size
+
+
+def skip_batches(accelerator: Any, loader: Any, skip: int) -> Any:
+    """The training loader without the first ``skip`` batches of its epoch (a resume inside an epoch).
+
+    Accelerate's ``skip_first_batches``, which reads no sample of the skipped batches: its batch sampler draws them
+    from the batch sampler and drops them, one batch of indices at a time. Where those batches are a plain
+    ``BatchSampler`` over a sampler (one process), the skipped batches' indices are dropped from the sampler's
+    order in one step instead (`_IndexSkipBatchSampler`): no batch is built, so a resume at 90 % of a long epoch
+    starts as fast as one at 10 %. The batches that follow are the same."""
+    skipped = accelerator.skip_first_batches(loader, skip)
+    sampler: Any = getattr(skipped, "batch_sampler", None)
+    if type(sampler) is SkipBatchSampler and type(sampler.batch_sampler) is BatchSampler:
+        sampler.__class__ = _IndexSkipBatchSampler
+    return skipped
+
+
+class _IndexSkipBatchSampler(SkipBatchSampler):
+    """Accelerate's ``SkipBatchSampler`` over a plain ``BatchSampler``: the first ``skip_batches x batch_size``
+    indices of the sampler are dropped at once (C-level ``islice``), then the rest is cut into batches as
+    ``BatchSampler`` cuts it (``drop_last`` included)."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        inner = self.batch_sampler
+        indices = iter(inner.sampler)
+        collections.deque(itertools.islice(indices, self.skip_batches * inner.batch_size), maxlen=0)
+        while batch := list(itertools.islice(indices, inner.batch_size)):
+            if len(batch) < inner.batch_size and inner.drop_last:
+                return
+            yield batch
 
 
 def _grouping_changes(before: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:

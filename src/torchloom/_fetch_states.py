@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from accelerate.data_loader import SkipBatchSampler
 
+from torchloom._data_position import skip_batches
 from torchloom._random_states import random_states, set_random_states
 
 __all__ = ["Watch", "resume_source"]
@@ -109,9 +110,9 @@ def resume_source(
     if fetch is not None and fetch["first"] and skip == 1:  # the look-ahead fetch was in the loader's first call
         _restore(fetch["states"])
         return loader, 1, None
+    if fetch is None or fetch["first"]:  # nothing to restore batch by batch: drop the indices at once
+        return skip_batches(accelerator, loader, skip), 0, None
     source = accelerator.skip_first_batches(loader, skip)
-    if fetch is None or fetch["first"]:
-        return source, 0, None
     for attribute in ("batch_sampler", "sampler"):
         sampler = getattr(source, attribute, None)
         if isinstance(sampler, SkipBatchSampler):

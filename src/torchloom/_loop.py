@@ -17,6 +17,7 @@ from accelerate.data_loader import get_sampler
 from accelerate.utils import find_batch_size
 
 from torchloom._accelerator import note_run_failed
+from torchloom._async_save import PendingCheckpoint, start_async_save
 from torchloom._batch_limits import limited
 from torchloom._context import RunContext, activate
 from torchloom._data_position import data_order, position, resume_point
@@ -74,7 +75,9 @@ class FitLoop:
         self._train_start: float | None = None
         self._val_time = 0.0
         self._samples: int | None = 0 if run.accelerator.is_main_process else None
-        self.context = RunContext(logs, run.agreement, saver=self.save_checkpoint)
+        self.context = RunContext(
+            logs, run.agreement, saver=self.save_checkpoint, async_saver=self.save_checkpoint_async
+        )
         self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement)
         # (epoch, batches done in it, epoch finished) while a checkpoint may be saved, else None
         self._save_point: tuple[int, int, bool] | None = None
@@ -82,6 +85,7 @@ class FitLoop:
         self._last_saved: tuple[int, str] | None = None  # (global_step, path) of this fit's latest checkpoint
         self._batch_start = run.relay.hook("on_train_batch_start")  # call lists: skipped while empty
         self._batch_end = run.relay.hook("on_train_batch_end")
+        self._in_flight: PendingCheckpoint | None = None  # an asynchronous save not yet complete (at most one)
         #: A failure of ``on_fit_end`` itself, after a fit that succeeded (the engine raises it after ``teardown``).
         self.cleanup_failure: BaseException | None = None
 
@@ -102,11 +106,13 @@ class FitLoop:
                 sanity_check(self.task, run, self.config.num_sanity_val_steps, self.logs)
                 self.train(start)
                 self.end()
+                self.settle_save()  # the end of training waits for a save still in flight
                 finish_fit(self.task, run, self.config, self.logs)  # the model (save_model: true), the latest link
                 run.accelerator.wait_for_everyone()  # no process reports success before every process has finished
         except BaseException as exc:
             error = exc
             note_run_failed()
+            self._settle_after_failure()
             progress = self.state.progress()
             run.relay.call_cleanup("on_exception", error, exception=exc, accelerator=run.accelerator, progress=progress)
             raise
@@ -342,6 +348,40 @@ class FitLoop:
         Raises:
             RuntimeError: called outside ``on_train_step_end`` / ``on_train_epoch_end``.
         """
+        saved = self._save(directory, asynchronous=False)
+        assert isinstance(saved, str)
+        return saved
+
+    def save_checkpoint_async(self, directory: str | None) -> PendingCheckpoint:
+        """`torchloom.save_checkpoint_async` during this fit: as `save_checkpoint`, written in the background."""
+        saved = self._save(directory, asynchronous=True)
+        assert isinstance(saved, PendingCheckpoint)
+        return saved
+
+    def settle_save(self) -> None:
+        """Wait for the save in flight, if any, and make it complete (every process: `PendingCheckpoint.result`)."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            pending.result()
+
+    def _settle_after_failure(self) -> None:
+        """A fit that fails waits for its save in flight: on one process it is completed (its state was copied
+        before the failure), on several it is abandoned (a failure on one process would leave the others in the
+        agreement); an error of the save is a warning then, not the fit's error."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None or pending.settled:  # settled already (its error, if any, may be the fit's)
+            return
+        if self.run.accelerator.num_processes > 1:
+            pending.abandon()
+            if self.run.accelerator.is_main_process:
+                warn(f"the fit failed while checkpoint {pending.path!r} was written in the background: discarded")
+            return
+        try:
+            pending.result()
+        except Exception as exc:
+            warn(f"the fit failed, and so did the background save of checkpoint {pending.path!r}: {exc}")
+
+    def _save(self, directory: str | None, asynchronous: bool) -> str | PendingCheckpoint:
         if self._save_point is None:
             raise RuntimeError(
                 "save_checkpoint() must be called from on_train_step_end or on_train_epoch_end, where no "
@@ -351,10 +391,11 @@ class FitLoop:
         epoch, batches_done, finished = self._save_point
         if directory is None:
             last = self._last_saved
+            self.settle_save()  # at most one save in flight: a save waits for the previous one
             if not finished and last is not None and last[0] == state.global_step and os.path.isdir(last[1]):
                 # An epoch cut short (max_steps, a stop) ends where its last step's checkpoint was saved: the
                 # same position and weights, and the same name; nothing was trained since, so that one is it.
-                return last[1]
+                return PendingCheckpoint(last[1]) if asynchronous else last[1]
             name = f"step-{state.global_step:08d}" + ("-epoch-end" if finished else "")
             directory = os.path.join(run.run_dir, CHECKPOINTS_DIR, name)
         order = data_order(run.train_dataloader, run.accelerator.num_processes, run.train_batches)
@@ -364,7 +405,8 @@ class FitLoop:
             if finished
             else dict(state.epoch_generators)
         )
-        path = write_checkpoint(
+        self.settle_save()
+        path = (start_async_save if asynchronous else write_checkpoint)(
             directory,
             accelerator=run.accelerator,
             model=run.model,
@@ -382,7 +424,11 @@ class FitLoop:
                 "log_buffer": self.logs.train.state_dict(),
             },
         )
-        self._last_saved = (state.global_step, path)
+        if isinstance(path, PendingCheckpoint):
+            self._in_flight = path
+            self._last_saved = (state.global_step, path.path)
+        else:
+            self._last_saved = (state.global_step, path)
         return path
 
     def _training(self) -> dict[str, Any]:

@@ -134,16 +134,7 @@ def write_checkpoint(
         # The processes agree on the outcome (`RankAgreement.first`): a write that failed on one fails on all
         failure = agreement.first(_write_parts(tmp, accelerator, plugins, scheduler, engine_state, mine))
         if failure is None and main:  # every process's files are complete
-            try:
-                manifest = _manifest(tmp, accelerator, model, optimizer, plugins, engine_state, metrics, training)
-                (tmp / MANIFEST).write_text(json_dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-                _fsync_tree(tmp)
-                os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
-                _fsync_dir(final.parent)
-            except Exception as exc:
-                failure = atomic.write_failure(exc, tmp)
-                if failure is None:
-                    raise
+            failure = publish(tmp, final, manifest_base(accelerator, model, optimizer, engine_state, metrics, training))
         if accelerator.num_processes > 1:  # no process goes on before the checkpoint exists (or failed)
             answer = [failure]
             broadcast_object_list(answer)
@@ -186,21 +177,48 @@ def _no_load(state: dict[str, Any]) -> None:  # pragma: no cover - never called 
     raise AssertionError
 
 
-def _manifest(
-    root: Path,
+def publish(tmp: Path, final: Path, base: dict[str, Any], known: Mapping[str, Any] | None = None) -> str | None:
+    """Make the complete temporary directory ``tmp`` the checkpoint ``final`` (the main process, once every
+    process's files are written): the manifest (``base``, `manifest_base`, with every file's size and SHA-256:
+    those in ``known`` as given, the others computed), written last, everything synced, then one ``os.rename``.
+    Return why a write failed (`atomic.write_failure`), ``None`` once the checkpoint exists."""
+    try:
+        manifest = {**base, "files": file_entries(tmp, known), "plugins": _plugin_names(tmp)}
+        (tmp / MANIFEST).write_text(json_dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        _fsync_tree(tmp)
+        os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
+        _fsync_dir(final.parent)
+    except Exception as exc:
+        failure = atomic.write_failure(exc, tmp)
+        if failure is None:
+            raise
+        return failure
+    return None
+
+
+def file_entries(root: Path, known: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every file under ``root`` (relative, POSIX) with its size and SHA-256, as a manifest lists them; those in
+    ``known`` (already hashed by their writer) are taken from it."""
+    return {
+        name: (known or {}).get(name) or {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and (name := path.relative_to(root).as_posix()) != MANIFEST
+    }
+
+
+def _plugin_names(root: Path) -> list[str]:
+    return sorted(p.stem for p in (root / "plugins").glob("*.json")) if (root / "plugins").is_dir() else []
+
+
+def manifest_base(
     accelerator: Any,
     model: torch.nn.Module,
     optimizer: Any,
-    plugins: Iterable[Any],
     engine_state: dict[str, Any],
     metrics: Mapping[str, float],
     training: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    files = {
-        path.relative_to(root).as_posix(): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-        for path in sorted(root.rglob("*"))
-        if path.is_file()
-    }
+    """The manifest of a checkpoint of this state, but its ``files`` and ``plugins`` (`publish` adds them)."""
     from torchloom._version import __version__
 
     unwrapped = accelerator.unwrap_model(model)
@@ -222,10 +240,8 @@ def _manifest(
         },
         "adapter": describe(unwrapped),
         "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
-        "plugins": sorted(p.stem for p in (root / "plugins").glob("*.json")) if (root / "plugins").is_dir() else [],
         "metrics": {k: v for k, v in metrics.items()},
         "training": dict(training or {}),
-        "files": files,
     }
 
 

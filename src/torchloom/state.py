@@ -50,7 +50,7 @@ from torchloom._atomic import write_atomically
 from torchloom.errors import PluginError
 from torchloom.plugins import plugin_name
 
-__all__ = ["load_plugin_state", "save_plugin_state"]
+__all__ = ["encode_plugin_state", "load_plugin_state", "save_plugin_state", "write_plugin_state"]
 
 FORMAT = "torchloom.plugin_state"
 VERSION = 2
@@ -89,13 +89,34 @@ def save_plugin_state(
             the path of the bad value), two stateful plugins share a name, or a name cannot be a file name.
         OSError: the files cannot be written.
     """
-    encoded = [(name, *_encode(name, plugin.state_dict(), copy=is_main_process)) for name, plugin in _stateful(plugins)]
+    encoded = encode_plugin_state(plugins, is_main_process=is_main_process)
     if is_main_process:
-        root = Path(directory)
-        root.mkdir(parents=True, exist_ok=True)
-        for name, tree, tensors in encoded:
-            _write(root, name, tree, tensors)
+        write_plugin_state(encoded, directory)
     return [name for name, _, _ in encoded]
+
+
+def encode_plugin_state(
+    plugins: Iterable[Any], *, is_main_process: bool = True, own: bool = False
+) -> list[tuple[str, Any, dict[str, torch.Tensor]]]:
+    """The first half of `save_plugin_state`: every stateful plugin's ``state_dict()``, called and checked, as
+    ``(name, JSON tree, tensors)``; the tensors are host copies on the main process (none elsewhere). ``own``:
+    copies that share memory with nothing live, CPU tensors included (an asynchronous save writes them later,
+    while training goes on: `torchloom._async_save`)."""
+    return [
+        (name, *_encode(name, plugin.state_dict(), copy=is_main_process, own=own))
+        for name, plugin in _stateful(plugins)
+    ]
+
+
+def write_plugin_state(
+    encoded: list[tuple[str, Any, dict[str, torch.Tensor]]], directory: str | os.PathLike[str]
+) -> None:
+    """The second half of `save_plugin_state`: write what `encode_plugin_state` returned into ``directory``
+    (created if missing). Runs no plugin code and no collective."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    for name, tree, tensors in encoded:
+        _write(root, name, tree, tensors)
 
 
 def load_plugin_state(plugins: Iterable[Any], directory: str | os.PathLike[str]) -> list[str]:
@@ -170,8 +191,9 @@ def _stateful(plugins: Iterable[Any]) -> Iterator[tuple[str, Any]]:
         yield name, plugin
 
 
-def _encode(name: str, state: Any, copy: bool) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The JSON tree of ``state`` and its tensors by key (host copies when ``copy``, else not collected)."""
+def _encode(name: str, state: Any, copy: bool, own: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The JSON tree of ``state`` and its tensors by key (host copies when ``copy``, else not collected; copies
+    of CPU tensors too when ``own``)."""
     if not isinstance(state, dict):
         raise PluginError(f"{name}: state_dict() returned a {_type_name(state)}; expected a dict. {_CONTRACT}")
     tensors: dict[str, torch.Tensor] = {}
@@ -186,7 +208,7 @@ def _encode(name: str, state: Any, copy: bool) -> tuple[Any, dict[str, torch.Ten
             n = 1
             while unique in tensors:  # keys with dots in them can collide with nested paths
                 n, unique = n + 1, f"{key}#{n + 1}"
-            tensors[unique] = _host_copy(value, storages) if copy else value
+            tensors[unique] = _host_copy(value, storages, own) if copy else value
             return {_TENSOR: unique}
         if type(value) is float:
             return value if math.isfinite(value) else _strict_json.tag(value)
@@ -217,11 +239,14 @@ def _encode(name: str, state: Any, copy: bool) -> tuple[Any, dict[str, torch.Ten
     return walk(state, "", ""), tensors
 
 
-def _host_copy(tensor: torch.Tensor, storages: set[int]) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, storages: set[int], own: bool = False) -> torch.Tensor:
     """A dense, contiguous CPU tensor that shares memory with no other tensor being saved (safetensors refuses
-    those): a device-to-host copy for device tensors, the tensor itself when that is already one."""
+    those): a device-to-host copy for device tensors, the tensor itself when that is already one (a copy when
+    ``own``: then it shares memory with nothing live)."""
     t = tensor.detach().to("cpu").contiguous()
-    if t.untyped_storage().data_ptr() in storages:
+    if (own and t.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()) or (
+        t.untyped_storage().data_ptr() in storages
+    ):
         t = t.clone()
     storages.add(t.untyped_storage().data_ptr())
     return t
