@@ -154,6 +154,9 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     # docs/plugins/checkpoint.md: the pattern with a placeholder config; docs/runs.md runs it on the regression
     "torchloom fit --config run.yaml": "run.yaml stands for any config; docs/runs.md runs the same pair of commands",
     "torchloom fit --config run.yaml --resume": "run.yaml stands for any config; docs/runs.md runs the same commands",
+    "torchloom fit --config run.yaml --resume auto": (
+        "run.yaml stands for any config; tests/test_preempt_requeue.py runs it through 3 preemptions"
+    ),
     # docs/distributed.md
     "accelerate launch --multi_gpu --num_processes 2 train.py": "needs 2 GPUs",
     "accelerate launch --multi_gpu --num_processes 2 -m torchloom.cli fit --config regression.yaml": "needs 2 GPUs",

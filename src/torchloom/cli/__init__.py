@@ -28,6 +28,7 @@ installed packages, so tasks defined next to it import by module name but a file
 the same process runs its own project's modules::
 
     torchloom fit --config run.yaml --resume [PATH]                       # continue from the latest checkpoint
+    torchloom fit --config run.yaml --resume auto                         # ... if there is one, else start fresh
 
 Errors caused by bad input print one line and exit with status 2; no traceback. A fit stopped by SIGTERM or
 Ctrl-C after the ``checkpoint`` plugin saved exits with 128 + the signal number (143, 130). ``fit``, ``validate`` and
