@@ -137,7 +137,11 @@ def test_a_runs_checkpoints_folder_that_links_elsewhere_is_left_alone(tmp_path) 
 
 def _link(output_dir: Path, run: int, step: int) -> dict[str, object]:
     run_dir = output_dir / f"version_{run}"
-    return {"run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoints" / f"step-{step:08d}"), "global_step": step}
+    return {
+        "run_dir": str(run_dir),
+        "checkpoint": str(run_dir / "checkpoints" / f"step-{step:08d}"),
+        "global_step": step,
+    }
 
 
 def test_prune_lineage_keeps_the_newest_of_the_whole_training_and_leaves_branches_and_other_runs_alone(tmp_path):
