@@ -268,6 +268,33 @@ class Engine:
             write_predictions(run.run_dir, predictions, run.accelerator)
         return predictions
 
+    @quiet_libraries()
+    def export(self, task: TaskModule, checkpoint: str | os.PathLike[str], directory: str | os.PathLike[str]) -> str:
+        """Write the model of ``checkpoint`` into the new folder ``directory``, as a fit with ``save_model: true``
+        that ended there would have written ``<run_dir>/model``; return ``directory``.
+
+        The model is built as a fit builds it (the seed, ``configure_model``, the plugins' ``configure_model``: the
+        ``peft`` plugin's adapter), the checkpoint's weights are loaded, and `TaskModule.save_model` writes it: a
+        transformers model as an ordinary transformers folder (``save_pretrained``), any other module as
+        ``model.safetensors``, a model with an adapter as the adapter in peft's format (with the ``peft`` plugin's
+        ``merge``, also ``merged/``: the merged model); then the plugins' ``on_save_model`` and the model card
+        ``torchloom_model.json`` (the run's config, the checkpoint's values, step and epoch, ``exported_from``).
+        No run directory is made; nothing is written unless all of it is.
+
+        Args:
+            task (`TaskModule`): the task whose model the checkpoint holds.
+            checkpoint (`str` or `os.PathLike`): a checkpoint directory (with ``manifest.json``).
+            directory (`str` or `os.PathLike`): where to write; must not exist, or be empty.
+
+        Raises:
+            ConfigError: ``checkpoint`` does not exist; ``directory`` exists and is not empty; several processes.
+            CheckpointError: not a complete checkpoint; one whose files do not match its manifest (refused before
+                anything loads); weights or an adapter that do not fit the task's model.
+        """
+        from torchloom._checkpoint_export import export_checkpoint
+
+        return export_checkpoint(self, task, checkpoint, directory)
+
     def _weights(self, ckpt_path: str | os.PathLike[str] | None, command: str) -> tuple[str, str] | None:
         """What ``ckpt_path`` names (`torchloom._export.resolve_weights`; ``"best"`` by the ``checkpoint`` plugin's
         ``monitor`` and ``mode``), kept in ``weights_from``."""
