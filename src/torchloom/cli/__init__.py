@@ -7,7 +7,7 @@ Configs are parsed with jsonargparse (as LightningCLI does)::
     torchloom fit --config examples/fine_foods.yaml --print_config       # the resolved config, then exit
     torchloom plugins [--json] [--config FILE]                           # installed plugins [and call order]
     torchloom validate --config run.yaml --ckpt_path PATH|last|best      # with a checkpoint's or export's weights
-    torchloom predict --config run.yaml --ckpt_path PATH                 # the same --ckpt_path
+    torchloom predict --config run.yaml --ckpt_path PATH [--input FILE]  # the same --ckpt_path; raw rows of FILE
     torchloom inspect PATH [--json]                                      # a checkpoint, run directory or export
     torchloom export CHECKPOINT OUT [--merge]                            # a checkpoint's model as a plain folder
     torchloom convert-hf-args args.json [-o run.yaml]                    # HF TrainingArguments -> engine + plugins
