@@ -389,10 +389,14 @@ def check_compatible(
             message listing what differs.
     """
     problems = []
-    if manifest.get("world_size") != accelerator.num_processes:
+    saved_processes = manifest.get("world_size")
+    if saved_processes != accelerator.num_processes:
         problems.append(
-            f"it was written by {manifest.get('world_size')} process(es), this run has {accelerator.num_processes} "
-            "(the data position and the random states are per process)"
+            f"it was written by {saved_processes} process(es) and this run has {accelerator.num_processes}: another "
+            "number of processes is not supported (each process saved its own random states, data-loader generators "
+            f"and partial sums of logged values, and a process's model and optimizer shards under FSDP / DeepSpeed); "
+            f"resume with {saved_processes} process(es) (torchrun --nproc_per_node {saved_processes}, or accelerate "
+            f"launch --num_processes {saved_processes})"
         )
     saved = {k: tuple(v) for k, v in (manifest.get("model") or {}).get("parameters", {}).items()}
     current = {name: tuple(p.shape) for name, p in accelerator.unwrap_model(model).named_parameters()}
