@@ -151,7 +151,8 @@ def test_prune_lineage_keeps_the_newest_of_the_whole_training_and_leaves_branche
         _checkpoint(tmp_path, run, step)
     resumed = Resumed("", 8, chain=(_link(tmp_path, 0, 4), _link(tmp_path, 1, 8)))
     newer = [str(tmp_path / "version_3" / "checkpoints" / "step-00000010")]
-    deleted = prune_lineage(resumed, 2, newer)
+    assert prune_lineage(resumed, 2, newer, output_dir=tmp_path / "elsewhere") == []  # not that output_dir's runs
+    deleted = prune_lineage(resumed, 2, newer, output_dir=tmp_path)
     assert [str(Path(p).relative_to(tmp_path)) for p in deleted] == [
         "version_0/checkpoints/step-00000002",
         "version_0/checkpoints/step-00000004",

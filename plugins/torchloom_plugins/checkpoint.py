@@ -13,17 +13,19 @@ Method card
   ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues;
   ``--resume auto`` continues when there is a checkpoint and starts fresh otherwise, so a scheduler restarts the
   job with the same command line. ``keep_last`` counts the training, not the run: a resumed fit also deletes the
-  checkpoints of the runs it continues beyond the newest ``keep_last`` (`torchloom.prune_lineage`), so a job
-  preempted any number of times keeps ``keep_last`` in all. Under SLURM (``SLURM_JOB_ID`` set), ``requeue``
+  checkpoints of the runs it continues (in its ``output_dir``) beyond the newest ``keep_last``
+  (`torchloom.prune_lineage`; the one it resumed from once training ends), so a job preempted any number of times
+  keeps ``keep_last`` in all, one more while a resumed fit runs. Under SLURM (``SLURM_JOB_ID`` set), ``requeue``
   queues the job again after the save on a signal (``scontrol requeue $SLURM_JOB_ID``, main process), and every
   fit records the job and its restart counter (``SLURM_RESTART_COUNT``) in ``<run_dir>/slurm.json``.
 - **Hooks:** ``setup`` notes a ``fast_dev_run`` (the engine's ``config.is_fast_dev_run``), in which the plugin
   saves nothing and installs no signal handler; ``on_run_start`` notes the ``output_dir``; ``on_fit_start`` notes
-  the checkpoint a resumed fit continues (deleted only once ``keep_last`` newer ones exist) and the runs it
-  continues, records the SLURM job (main process) and installs the signal handlers (main thread); ``on_log``
-  records the monitored value;
+  the checkpoint a resumed fit continues (never deleted while it trains) and the runs it continues, records
+  the SLURM job (main process) and installs the signal handlers (main thread); ``on_log`` records the monitored
+  value;
   ``on_train_step_end`` saves on the step schedule and acts on an interrupt; ``on_train_epoch_end`` saves on the
-  epoch schedule; ``on_train_end`` marks the fit completed and ``on_fit_end`` warns (main process) when
+  epoch schedule; ``on_train_end`` marks the fit completed (and, in a resumed fit, bounds the earlier runs'
+  checkpoints by ``keep_last``, the one resumed from included) and ``on_fit_end`` warns (main process) when
   ``monitor`` was never logged or no save came at a step where it was logged (`torchloom.Monitor`, which also
   warns when the plugin is made if ``mode`` reads wrong for the name); ``teardown`` puts the previous signal
   handlers back.
@@ -74,7 +76,8 @@ class CheckpointConfig:
         every_n_epochs (`int`, *optional*, defaults to 1): save at the end of every this many epochs (after the
             epoch's validation); ``None``: not by epochs.
         keep_last (`int`, *optional*, defaults to 2): how many of the most recent checkpoints of the training to
-            keep: of the run, and of a resumed fit's earlier runs (those it continues) too; ``None`` keeps them all.
+            keep: of the run, and of a resumed fit's earlier runs in the ``output_dir`` (those it continues) too, the
+            checkpoint it resumed from only once training ends; ``None`` keeps them all.
         monitor (`str`, *optional*): a logged value (``val/loss``, ``val/auroc``) that ranks the checkpoints; its
             latest value when a checkpoint is saved is the checkpoint's score.
         mode (`str`, defaults to ``"min"``): ``"min"`` or ``"max"``: whether a lower or a higher ``monitor`` is
@@ -148,8 +151,8 @@ class Checkpoint(torchloom.Plugin):
     Attributes:
         saved (`list[str]`): the checkpoints this plugin wrote in the current fit and still keeps, oldest first.
         scores (`dict[str, float]`): checkpoint -> the ``monitor`` value it was saved with.
-        resumed_from (`str` or ``None``): the checkpoint the current fit resumed from (deleted by it only once
-            ``keep_last`` newer ones exist).
+        resumed_from (`str` or ``None``): the checkpoint the current fit resumed from (never deleted while it
+            trains; at its end, when ``keep_last`` newer ones exist).
     """
 
     name = "checkpoint"
@@ -234,8 +237,10 @@ class Checkpoint(torchloom.Plugin):
             self._save(accelerator, progress.global_step)
 
     @torchloom.hookimpl
-    def on_train_end(self) -> None:
+    def on_train_end(self, accelerator) -> None:
         self._completed = True
+        if accelerator.is_main_process:  # training is over: the checkpoint resumed from may go now
+            self._bound_lineage(spare_resumed=False)
 
     @torchloom.hookimpl
     def on_fit_end(self, accelerator) -> None:
@@ -291,12 +296,22 @@ class Checkpoint(torchloom.Plugin):
             for old in expired:
                 if os.path.isdir(old):  # else deleted already, by another run's keep_across_runs
                     torchloom.delete_checkpoint(old)
-        if accelerator.is_main_process and self._resumed is not None and self.config.keep_last is not None:
-            spare = self._best()  # the earlier runs' checkpoints beyond keep_last over the whole training
-            torchloom.prune_lineage(self._resumed, self.config.keep_last, self.saved, spare=spare)
+        if accelerator.is_main_process:
+            self._bound_lineage(spare_resumed=True)
         if self.config.keep_across_runs is not None:
             self._bound_across_runs(accelerator)
         return path
+
+    def _bound_lineage(self, spare_resumed: bool) -> None:
+        """``keep_last`` over the training (main process): delete the checkpoints of the runs a resumed fit
+        continues, in this ``output_dir``, beyond the newest ``keep_last`` counted with this fit's; the checkpoint
+        it resumed from only once training has ended (``spare_resumed`` false)."""
+        if self._resumed is None or self.config.keep_last is None or self._off:
+            return
+        spare = [*self._best(), *([self.resumed_from] if spare_resumed and self.resumed_from else [])]
+        torchloom.prune_lineage(
+            self._resumed, self.config.keep_last, self.saved, output_dir=self._output_dir, spare=spare
+        )
 
     def _record_slurm_job(self) -> None:
         """``<run_dir>/slurm.json``: the SLURM job this fit runs in and how often it was restarted (requeued)."""

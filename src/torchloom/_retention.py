@@ -79,17 +79,22 @@ def prune_checkpoints(
     return deleted
 
 
-def lineage_checkpoints(resumed: Resumed) -> list[str]:
+def lineage_checkpoints(resumed: Resumed, output_dir: str | os.PathLike[str] | None = None) -> list[str]:
     """The complete checkpoints of the runs a resumed fit continues (``resumed.chain``), oldest first: of each run,
     those up to the step the next run resumed from (a checkpoint after it is of a branch that no run continued).
-    A link outside a run directory, or to a run directory that is gone, adds none."""
+    With ``output_dir``, only runs that are its own ``version_N`` directories (not links to runs elsewhere). A link
+    outside a run directory, or to a run directory that is gone, adds none."""
+    root = Path(output_dir).resolve() if output_dir is not None else None
     found = []
     for link in resumed.chain:
         run_dir, step = link.get("run_dir"), link.get("global_step")
         if not isinstance(run_dir, str) or not isinstance(step, int) or not os.path.isdir(run_dir):
             continue
-        for candidate, manifest in _run_checkpoints(Path(run_dir)):
-            if manifest.get("global_step", -1) <= step:
+        run = Path(run_dir)
+        if root is not None and (run.is_symlink() or run.resolve().parent != root):
+            continue  # another output_dir's run (the fit resumed from it), or one linked in: never touched
+        for candidate, manifest in _run_checkpoints(run):
+            if manifest.get("global_step", -1) <= step and not candidate.is_symlink():
                 found.append(str(candidate))
     return found
 
@@ -99,17 +104,18 @@ def prune_lineage(
     keep: int,
     newer: Sequence[str | os.PathLike[str]],
     *,
+    output_dir: str | os.PathLike[str] | None = None,
     spare: Iterable[str | os.PathLike[str]] = (),
 ) -> list[str]:
-    """Delete the checkpoints of the runs a resumed fit continues (`lineage_checkpoints`) that are not among the
-    newest ``keep`` of the whole training: those, then ``newer`` (the fit's own checkpoints, oldest first). Call it
-    on the main process only. Return the checkpoints deleted, oldest first.
+    """Delete the checkpoints of the runs a resumed fit continues (`lineage_checkpoints`, of ``output_dir``'s own
+    runs when given) that are not among the newest ``keep`` of the whole training: those, then ``newer`` (the fit's
+    own checkpoints, oldest first). Call it on the main process only. Return the checkpoints deleted, oldest first.
 
     This is how the ``checkpoint`` plugin's ``keep_last`` counts the training rather than the run: a job preempted
-    and resumed any number of times (``torchloom fit --resume auto``) keeps at most ``keep`` checkpoints (plus the
-    best it keeps by ``monitor``: pass them in ``spare``). The checkpoint the fit resumed from is deleted only once
-    ``keep`` newer ones exist. Never deleted: those in ``spare``, and those of a run directory that another running
-    process marked in use.
+    and resumed any number of times (``torchloom fit --resume auto``) keeps at most ``keep`` checkpoints, plus the
+    one it resumed from while it runs (the plugin spares it until training ends) and the best it keeps by
+    ``monitor``: pass those in ``spare``. Never deleted: those in ``spare``, those of another ``output_dir``, and
+    those of a run directory that another running process marked in use.
 
     Raises:
         ValueError: ``keep`` below 1.
@@ -117,7 +123,7 @@ def prune_lineage(
     """
     if keep < 1:
         raise ValueError(f"prune_lineage: keep={keep!r}")
-    earlier = lineage_checkpoints(resumed)
+    earlier = lineage_checkpoints(resumed, output_dir)
     kept = {os.path.realpath(p) for p in [*earlier, *map(str, newer)][-keep:]}
     kept |= {os.path.realpath(p) for p in spare}
     deleted = []
