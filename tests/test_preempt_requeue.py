@@ -247,3 +247,23 @@ def test_a_requeue_that_cannot_be_done_warns_and_the_fit_still_stops_with_its_ch
     assert slurm.is_file() == (job is not None)
     if job is not None:
         assert json.loads(slurm.read_text())["restart_count"] == 0  # SLURM_RESTART_COUNT unset: the first start
+
+
+def test_keep_last_counts_the_training_but_a_resumed_fit_that_saves_nothing_deletes_nothing(tmp_path):
+    out = tmp_path / "out"
+
+    def fit(epochs: int, keep_last: int | None) -> torchloom.Engine:
+        plugins = {"checkpoint": {"every_n_steps": 2, "keep_last": keep_last}}
+        engine = torchloom.Engine(output_dir=str(out), max_epochs=epochs, plugins=plugins, default_plugins=False)
+        engine.fit(TinyTask(), ckpt_path="auto")
+        return engine
+
+    fit(1, None)  # steps 2, 4, 6, 8 and the end of epoch 0
+    assert len(list_checkpoints(out)) == 5
+    fit(1, 2)  # resumed at the end of training: nothing to train, nothing saved, nothing deleted
+    assert len(list_checkpoints(out)) == 5
+    fit(2, 2)  # trains epoch 1: keeps the newest 2 of the whole training, the one resumed from gone at the end
+    assert [Path(p).relative_to(out).as_posix() for p in list_checkpoints(out)] == [
+        "version_2/checkpoints/step-00000016",
+        "version_2/checkpoints/step-00000016-epoch-end",
+    ]

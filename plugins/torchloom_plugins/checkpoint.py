@@ -304,10 +304,10 @@ class Checkpoint(torchloom.Plugin):
 
     def _bound_lineage(self, spare_resumed: bool) -> None:
         """``keep_last`` over the training (main process): delete the checkpoints of the runs a resumed fit
-        continues, in this ``output_dir``, beyond the newest ``keep_last`` counted with this fit's; the checkpoint
-        it resumed from only once training has ended (``spare_resumed`` false)."""
-        if self._resumed is None or self.config.keep_last is None or self._off:
-            return
+        continues, in this ``output_dir``, beyond the newest ``keep_last`` counted with this fit's (none while it has
+        saved none); the checkpoint it resumed from only once training has ended (``spare_resumed`` false)."""
+        if self._resumed is None or self.config.keep_last is None or self._off or not self.saved:
+            return  # a fit that saved nothing (resumed at the end of training, say) leaves the earlier runs alone
         spare = [*self._best(), *([self.resumed_from] if spare_resumed and self.resumed_from else [])]
         torchloom.prune_lineage(
             self._resumed, self.config.keep_last, self.saved, output_dir=self._output_dir, spare=spare
