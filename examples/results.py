@@ -9,8 +9,10 @@ names shows the recorded values, and the example tests check that their own slic
 recorded values, so a change that moves a result fails a test until this script has been run again and the page
 updated. Each run is ``torchloom fit --config examples/<config> <overrides>`` in a fresh subprocess, in a new
 output directory under a temporary folder (the example's data caches are used and filled as usual). Recorded per
-run: the last validation values, the ``val/accuracy`` after each validation, the optimizer steps, the fit's wall
-time (``summary.json``) and the process's, the load average before it, and what the values depend on (torch,
+run: the last validation values, the ``val/accuracy`` after each validation, the optimizer steps, the model's
+parameters (total, trainable, bytes) and the optimizer state's bytes at the end (``summary.json``), the seconds
+per optimizer step over the training time (validation excluded), the process's peak resident set (``wait4``), the
+fit's wall time and the process's, the load average before it, and what the values depend on (torch,
 the CPU, the thread count of the config).
 
 The values are deterministic for a given machine kind, torch build and thread count (the configs set
@@ -38,11 +40,21 @@ RESULTS = HERE / "results.json"
 FINE_FOODS, FASHION_MNIST, KEYWORDS, INDEX, CHAT = (
     f"docs/examples/{name}.md" for name in ("fine_foods", "fashion_mnist", "keywords", "index", "fine_foods_chat")
 )
+PEFT = "docs/plugins/peft.md"
+#: What the adapter table of the peft page shows of each run (``quoted_facts``): recorded name -> its format
+#: (``"bytes"``: `torchloom.format_bytes`; else a format spec).
+SIZES = {
+    "trainable_parameters": ",",
+    "parameter_bytes": "bytes",
+    "optimizer_state_bytes": "bytes",
+    "peak_rss_bytes": "bytes",
+    "s_per_step": ".2f",
+}
 
 #: run id -> its config and overrides, and where a page quotes it: ``quoted`` maps a page to the first cell of the
 #: table row that shows the run (and, third, which values it shows, else those of ``shown``); ``shown`` gives the
 #: decimals each value has there, ``decimals`` those of values only some rows show (tests/test_docs.py checks them).
-#: The slices are the example tests' own.
+#: ``quoted_facts`` names rows that show other recorded values (`SIZES`). The slices are the example tests' own.
 RUNS: dict[str, dict[str, Any]] = {
     "fine_foods/full": {
         "config": "fine_foods.yaml",
@@ -51,7 +63,9 @@ RUNS: dict[str, dict[str, Any]] = {
             (FINE_FOODS, "**`torchloom fit --config examples/fine_foods.yaml`**"),
             (FINE_FOODS, "plain (`fine_foods.yaml`, fp32, torch AdamW)"),
             (INDEX, "[fine_foods](fine_foods.md): is this review a 5-star one? (text)", ["val/accuracy", "val/auroc"]),
+            (PEFT, "fine_foods: full fine-tune (`fine_foods.yaml`)", ["val/accuracy"]),
         ],
+        "quoted_facts": [(PEFT, "fine_foods: full fine-tune (`fine_foods.yaml`)", SIZES)],
         "shown": {"val/accuracy": 3, "val/majority_rate": 3, "val/loss": 3},
         "decimals": {"val/auroc": 4},  # shown only where a row names it
     },
@@ -124,8 +138,32 @@ RUNS: dict[str, dict[str, Any]] = {
         "quoted": [
             (CHAT, "fine-tuned: **`torchloom fit --config examples/fine_foods_chat.yaml`**"),
             (INDEX, "[fine_foods_chat](fine_foods_chat.md): is this review a 5-star one? (chat)", ["val/accuracy"]),
+            (PEFT, "fine_foods_chat: full fine-tune (`fine_foods_chat.yaml`)", ["val/accuracy"]),
         ],
+        "quoted_facts": [(PEFT, "fine_foods_chat: full fine-tune (`fine_foods_chat.yaml`)", SIZES)],
         "shown": {"val/accuracy": 3, "val/majority_rate": 3, "val/loss": 3},
+    },
+    **{
+        run_id: {
+            "config": config,
+            "overrides": [],
+            "quoted": [(PEFT, row, ["val/accuracy"])],
+            "quoted_facts": [(PEFT, row, SIZES)],
+            "shown": {"val/accuracy": 3, "val/loss": 3},
+        }
+        for run_id, config, row in (
+            ("fine_foods/lora", "fine_foods_lora.yaml", "fine_foods: LoRA (`fine_foods_lora.yaml`)"),
+            (
+                "fine_foods_chat/lora",
+                "fine_foods_chat_lora.yaml",
+                "fine_foods_chat: LoRA (`fine_foods_chat_lora.yaml`)",
+            ),
+            (
+                "fine_foods_chat/qlora",
+                "fine_foods_chat_qlora.yaml",
+                "fine_foods_chat: QLoRA (`fine_foods_chat_qlora.yaml`)",
+            ),
+        )
     },
 }
 
@@ -162,10 +200,15 @@ def run(run_id: str, root: Path) -> dict[str, Any]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True)
-    process_s = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"{run_id}: exited with {proc.returncode}\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        _, status, usage = os.wait4(proc.pid, 0)  # this run's own peak resident set, not the children's maximum
+        process_s = time.perf_counter() - start
+        returncode = os.waitstatus_to_exitcode(status)
+        proc.returncode = returncode  # reaped here: Popen must not wait for it again
+        if returncode != 0:
+            stderr.seek(0)
+            raise SystemExit(f"{run_id}: exited with {returncode}\n{stderr.read().decode()[-3000:]}")
     records = [json.loads(line) for line in (out / "latest" / "metrics.jsonl").read_text().splitlines()]
     validations = [r for r in records if "val/accuracy" in r]
     summary = json.loads((out / "latest" / "summary.json").read_text())
@@ -176,6 +219,12 @@ def run(run_id: str, root: Path) -> dict[str, Any]:
         "metrics": {k: v for k, v in final.items() if k.startswith("val/")},
         "val_accuracy_per_validation": [r["val/accuracy"] for r in validations],
         "optimizer_steps": summary["optimizer_steps"],
+        "parameters": summary["parameters"]["total"],
+        "trainable_parameters": summary["parameters"]["trainable"],
+        "parameter_bytes": summary["parameters"]["bytes"],
+        "optimizer_state_bytes": summary["optimizer_state_bytes"],
+        "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
+        "s_per_step": round(summary["train_time_s"] / summary["optimizer_steps"], 2),
         "fit_s": round(summary["wall_time_s"], 1),
         "process_s": round(process_s, 1),
         "load_before": round(load, 2),

@@ -23,6 +23,7 @@ import pluggy
 import pytest
 import yaml
 
+import torchloom
 from torchloom import hookspecs
 from torchrun_util import require_multiprocess_marker
 
@@ -154,6 +155,9 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     # docs/plugins/checkpoint.md: the pattern with a placeholder config; docs/runs.md runs it on the regression
     "torchloom fit --config run.yaml": "run.yaml stands for any config; docs/runs.md runs the same pair of commands",
     "torchloom fit --config run.yaml --resume": "run.yaml stands for any config; docs/runs.md runs the same commands",
+    "torchloom fit --config run.yaml --resume auto": (
+        "run.yaml stands for any config; tests/test_preempt_requeue.py runs it through 3 preemptions"
+    ),
     # docs/distributed.md
     "accelerate launch --multi_gpu --num_processes 2 train.py": "needs 2 GPUs",
     "accelerate launch --multi_gpu --num_processes 2 -m torchloom.cli fit --config regression.yaml": "needs 2 GPUs",
@@ -904,6 +908,14 @@ def test_the_example_pages_show_the_results_the_script_recorded():
             for name in names[0] if names else spec["shown"]:
                 value = f"{recorded[run_id]['metrics'][name]:.{decimals[name]}f}"
                 assert value in shown, f"{page}: the row of {run_id} shows {cells}, the recorded {name} is {value}"
+                checked.append((run_id, name))
+        for page, row, facts in spec.get("quoted_facts", []):
+            (line,) = [x for x in (ROOT / page).read_text(encoding="utf-8").splitlines() if x.startswith(f"| {row} |")]
+            cells = " ".join(line.split("|")[2:-1]).replace("*", "")
+            for name, style in facts.items():
+                value = recorded[run_id][name]
+                text = torchloom.format_bytes(value) if style == "bytes" else format(value, style)
+                assert text in cells, f"{page}: the row of {run_id} shows {cells}, the recorded {name} is {text}"
                 checked.append((run_id, name))
         if "curve" in spec:
             page, before = spec["curve"]

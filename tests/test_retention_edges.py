@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from torchloom import _atomic
-from torchloom._retention import prune_checkpoints
+from torchloom._lineage import Resumed
+from torchloom._retention import prune_checkpoints, prune_lineage
 from torchloom.checkpoint import FORMAT, MANIFEST, VERSION, list_checkpoints
 
 
@@ -132,3 +133,41 @@ def test_a_runs_checkpoints_folder_that_links_elsewhere_is_left_alone(tmp_path) 
     (out / "version_1" / "checkpoints").symlink_to(elsewhere / "version_0" / "checkpoints", target_is_directory=True)
     assert prune_checkpoints(out, 1) == []
     assert all((p / MANIFEST).is_file() for p in outside)
+
+
+def _link(output_dir: Path, run: int, step: int) -> dict[str, object]:
+    run_dir = output_dir / f"version_{run}"
+    return {
+        "run_dir": str(run_dir),
+        "checkpoint": str(run_dir / "checkpoints" / f"step-{step:08d}"),
+        "global_step": step,
+    }
+
+
+def test_prune_lineage_keeps_the_newest_of_the_whole_training_and_leaves_branches_and_other_runs_alone(tmp_path):
+    # Run 0 saved 2, 4, 6 and was resumed from 4 (6 is a branch no run continued); run 1 saved 6, 8 and was
+    # resumed from 8; run 2 (a fit of another training) saved 2; run 3 continues run 0 then run 1 and saved 10.
+    for run, step in [(0, 2), (0, 4), (0, 6), (1, 6), (1, 8), (2, 2), (3, 10)]:
+        _checkpoint(tmp_path, run, step)
+    resumed = Resumed("", 8, chain=(_link(tmp_path, 0, 4), _link(tmp_path, 1, 8)))
+    newer = [str(tmp_path / "version_3" / "checkpoints" / "step-00000010")]
+    assert prune_lineage(resumed, 2, newer, output_dir=tmp_path / "elsewhere") == []  # not that output_dir's runs
+    deleted = prune_lineage(resumed, 2, newer, output_dir=tmp_path)
+    assert [str(Path(p).relative_to(tmp_path)) for p in deleted] == [
+        "version_0/checkpoints/step-00000002",
+        "version_0/checkpoints/step-00000004",
+        "version_1/checkpoints/step-00000006",
+    ]
+    assert _left(tmp_path) == [
+        "version_0/checkpoints/step-00000006",  # a branch: after the step the next run resumed from
+        "version_1/checkpoints/step-00000008",  # the checkpoint resumed from: one of the newest 2 of the training
+        "version_2/checkpoints/step-00000002",  # another training's
+        "version_3/checkpoints/step-00000010",
+    ]
+    spare = [str(tmp_path / "version_1" / "checkpoints" / "step-00000008")]
+    assert prune_lineage(resumed, 1, newer, spare=spare) == []  # spared: the best, say
+    assert [str(Path(p).relative_to(tmp_path)) for p in prune_lineage(resumed, 1, newer)] == [
+        "version_1/checkpoints/step-00000008"
+    ]
+    with pytest.raises(ValueError, match="keep=0"):
+        prune_lineage(resumed, 0, newer)

@@ -10,13 +10,22 @@ Method card
   the ``output_dir`` (`torchloom.prune_checkpoints`), as the HF Trainer's ``save_total_limit`` bounds an
   ``output_dir``; on SIGTERM (what SLURM and Kubernetes send before they stop a job) or Ctrl-C, save at the
   next optimizer-step boundary on every process and stop with `torchloom.TrainingInterrupted`, which the
-  ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues.
+  ``torchloom`` command turns into exit status 128 + the signal (143, 130). ``torchloom fit --resume`` continues;
+  ``--resume auto`` continues when there is a checkpoint and starts fresh otherwise, so a scheduler restarts the
+  job with the same command line. ``keep_last`` counts the training, not the run: a resumed fit also deletes the
+  checkpoints of the runs it continues (in its ``output_dir``) beyond the newest ``keep_last``
+  (`torchloom.prune_lineage`; the one it resumed from once training ends), so a job preempted any number of times
+  keeps ``keep_last`` in all, one more while a resumed fit runs. Under SLURM (``SLURM_JOB_ID`` set), ``requeue``
+  queues the job again after the save on a signal (``scontrol requeue $SLURM_JOB_ID``, main process), and every
+  fit records the job and its restart counter (``SLURM_RESTART_COUNT``) in ``<run_dir>/slurm.json``.
 - **Hooks:** ``setup`` notes a ``fast_dev_run`` (the engine's ``config.is_fast_dev_run``), in which the plugin
   saves nothing and installs no signal handler; ``on_run_start`` notes the ``output_dir``; ``on_fit_start`` notes
-  the checkpoint a resumed fit continues (never deleted while it runs) and installs the signal handlers (main
-  thread); ``on_log`` records the monitored value;
+  the checkpoint a resumed fit continues (never deleted while it trains) and the runs it continues, records
+  the SLURM job (main process) and installs the signal handlers (main thread); ``on_log`` records the monitored
+  value;
   ``on_train_step_end`` saves on the step schedule and acts on an interrupt; ``on_train_epoch_end`` saves on the
-  epoch schedule; ``on_train_end`` completes a save in flight (``async_save``) and marks the fit completed and
+  epoch schedule; ``on_train_end`` completes a save in flight (``async_save``) and marks the fit completed (and,
+  in a resumed fit, bounds the earlier runs' checkpoints by ``keep_last``, the one resumed from included) and
   ``on_fit_end`` warns (main process) when ``monitor`` was never logged or no save came at a step where it was
   logged (`torchloom.Monitor`, which also warns when the plugin is made if ``mode`` reads wrong for the name);
   ``teardown`` puts the previous signal handlers back.
@@ -35,15 +44,19 @@ Method card
   thread (`torchloom.save_checkpoint_async`); the manifest, the rename and the retention come at the next save or
   at the end of training, at most one save in flight.
 - **Sources:** Lightning's ``ModelCheckpoint`` (``every_n_train_steps``, ``every_n_epochs``, ``save_top_k`` with
-  ``monitor`` / ``mode``, ``save_last``) and its SIGTERM handling for SLURM; the HF Trainer's ``save_steps`` /
+  ``monitor`` / ``mode``, ``save_last``) and its SIGTERM handling and auto-requeue for SLURM
+  (``SLURMEnvironment(auto_requeue=True)``: ``scontrol requeue``); the HF Trainer's ``save_steps`` /
   ``save_total_limit``; Accelerate's ``save_state``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import signal
+import subprocess
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +68,8 @@ __all__ = ["Checkpoint", "CheckpointConfig"]
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: Accelerate's distributed types whose checkpoints cannot be written in the background (sharded saves).
 ASYNC_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
+#: What a fit under SLURM writes into its run directory: the job id and its restart counter.
+SLURM_FILE = "slurm.json"
 
 
 @dataclass
@@ -65,8 +80,9 @@ class CheckpointConfig:
         every_n_steps (`int`, *optional*): save after every this many optimizer steps; ``None``: not by steps.
         every_n_epochs (`int`, *optional*, defaults to 1): save at the end of every this many epochs (after the
             epoch's validation); ``None``: not by epochs.
-        keep_last (`int`, *optional*, defaults to 2): how many of the most recent checkpoints of the run to keep;
-            ``None`` keeps them all.
+        keep_last (`int`, *optional*, defaults to 2): how many of the most recent checkpoints of the training to
+            keep: of the run, and of a resumed fit's earlier runs in the ``output_dir`` (those it continues) too, the
+            checkpoint it resumed from only once training ends; ``None`` keeps them all.
         monitor (`str`, *optional*): a logged value (``val/loss``, ``val/auroc``) that ranks the checkpoints; its
             latest value when a checkpoint is saved is the checkpoint's score.
         mode (`str`, defaults to ``"min"``): ``"min"`` or ``"max"``: whether a lower or a higher ``monitor`` is
@@ -86,6 +102,9 @@ class CheckpointConfig:
             the next save or at the end of training. At most one save is in flight (a save waits for the one
             before); ``keep_last`` / ``keep_best`` count a checkpoint once it is complete; the save on SIGTERM is
             synchronous. One process or DDP only (not FSDP / DeepSpeed).
+        requeue (`bool`, defaults to False): under SLURM (``SLURM_JOB_ID`` set), after the save on a signal, queue
+            the job again with ``scontrol requeue $SLURM_JOB_ID`` (main process; a failure warns): the job restarts
+            with its command line, which ``torchloom fit --resume auto`` makes a resume. Outside SLURM: a warning.
 
     Raises:
         ConfigError: a count below 1 (``keep_across_runs`` included), no schedule at all, an unknown ``mode``,
@@ -101,6 +120,7 @@ class CheckpointConfig:
     keep_across_runs: int | None = None  # at most this many over all the runs of output_dir (None: no bound)
     save_on_interrupt: bool = True  # SIGTERM / Ctrl-C: save at the next optimizer step, then stop
     async_save: bool = False  # copy the state at the save step, write it in a background thread
+    requeue: bool = False  # under SLURM: scontrol requeue the job after the save on a signal
 
     def __post_init__(self) -> None:
         for setting in ("every_n_steps", "every_n_epochs", "keep_last", "keep_across_runs"):
@@ -115,6 +135,11 @@ class CheckpointConfig:
         if self.mode not in torchloom.Monitor.MODES:
             raise torchloom.ConfigError(
                 f"setting 'mode' = {self.mode!r}; expected one of {', '.join(torchloom.Monitor.MODES)}"
+            )
+        if self.requeue and not self.save_on_interrupt:
+            raise torchloom.ConfigError(
+                "setting 'requeue' = true needs save_on_interrupt = true (the job is requeued after the save on a "
+                "signal); set save_on_interrupt: true or requeue: false"
             )
         if self.keep_best < 1:
             raise torchloom.ConfigError(f"setting 'keep_best' = {self.keep_best!r}; expected an integer >= 1")
@@ -138,7 +163,8 @@ class Checkpoint(torchloom.Plugin):
     Attributes:
         saved (`list[str]`): the checkpoints this plugin wrote in the current fit and still keeps, oldest first.
         scores (`dict[str, float]`): checkpoint -> the ``monitor`` value it was saved with.
-        resumed_from (`str` or ``None``): the checkpoint the current fit resumed from (never deleted by it).
+        resumed_from (`str` or ``None``): the checkpoint the current fit resumed from (never deleted while it
+            trains; at its end, when ``keep_last`` newer ones exist).
     """
 
     name = "checkpoint"
@@ -149,6 +175,8 @@ class Checkpoint(torchloom.Plugin):
         self.saved: list[str] = []
         self.scores: dict[str, float] = {}
         self.resumed_from: str | None = None
+        self._resumed: Any = None  # the torchloom.Resumed of a resumed fit: the runs it continues
+        self._run_dir: str | None = None
         self._output_dir: str | None = None  # the run's output_dir (on_run_start)
         self._value: float | None = None  # the latest monitored value
         # the monitored name: logged or not, fresh at the saves or not (warns here if the mode reads wrong)
@@ -173,14 +201,17 @@ class Checkpoint(torchloom.Plugin):
 
     @torchloom.hookimpl
     def on_run_start(self, run_dir: str) -> None:
-        self._output_dir = os.path.dirname(run_dir)  # <output_dir>/version_N
+        self._run_dir, self._output_dir = run_dir, os.path.dirname(run_dir)  # <output_dir>/version_N
 
     @torchloom.hookimpl
     def on_fit_start(self, accelerator, resumed) -> None:
         self.saved, self.scores, self._value, self._signal, self._pending = [], {}, None, None, None
         self._in_flight, self._accelerator = None, accelerator
         self.resumed_from = None if resumed is None else resumed.checkpoint
+        self._resumed = resumed
         self._completed = False
+        if not self._off and accelerator.is_main_process and os.environ.get("SLURM_JOB_ID"):
+            self._record_slurm_job()
         if self._monitor is not None:
             self._monitor.start()
         kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
@@ -217,6 +248,8 @@ class Checkpoint(torchloom.Plugin):
         if interrupted is not None or (steps is not None and progress.global_step % steps == 0):
             path = self._save(accelerator, progress.global_step, wait=interrupted is not None)
             if interrupted is not None:
+                if self.config.requeue and accelerator.is_main_process:
+                    self._requeue()
                 raise torchloom.TrainingInterrupted(interrupted, path, progress.global_step)
 
     @torchloom.hookimpl
@@ -229,6 +262,8 @@ class Checkpoint(torchloom.Plugin):
     def on_train_end(self, accelerator) -> None:
         self._settle(accelerator)  # the end of training waits for the save in flight
         self._completed = True
+        if accelerator.is_main_process:  # training is over: the checkpoint resumed from may go now
+            self._bound_lineage(spare_resumed=False)
 
     @torchloom.hookimpl
     def on_fit_end(self, accelerator) -> None:
@@ -319,8 +354,61 @@ class Checkpoint(torchloom.Plugin):
             for old in expired:
                 if os.path.isdir(old):  # else deleted already, by another run's keep_across_runs
                     torchloom.delete_checkpoint(old)
+        if accelerator.is_main_process:
+            self._bound_lineage(spare_resumed=True)
         if self.config.keep_across_runs is not None:
             self._bound_across_runs(accelerator)
+
+    def _bound_lineage(self, spare_resumed: bool) -> None:
+        """``keep_last`` over the training (main process): delete the checkpoints of the runs a resumed fit
+        continues, in this ``output_dir``, beyond the newest ``keep_last`` counted with this fit's (none while it has
+        saved none); the checkpoint it resumed from only once training has ended (``spare_resumed`` false)."""
+        if self._resumed is None or self.config.keep_last is None or self._off or not self.saved:
+            return  # a fit that saved nothing (resumed at the end of training, say) leaves the earlier runs alone
+        spare = [*self._best(), *([self.resumed_from] if spare_resumed and self.resumed_from else [])]
+        torchloom.prune_lineage(
+            self._resumed, self.config.keep_last, self.saved, output_dir=self._output_dir, spare=spare
+        )
+
+    def _record_slurm_job(self) -> None:
+        """``<run_dir>/slurm.json``: the SLURM job this fit runs in and how often it was restarted (requeued)."""
+        if self._run_dir is None:
+            return
+        environ = os.environ
+        try:
+            restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)
+        except ValueError:
+            restarts = 0
+        record = {
+            "job_id": environ["SLURM_JOB_ID"],
+            "restart_count": restarts,
+            "array_job_id": environ.get("SLURM_ARRAY_JOB_ID"),
+            "array_task_id": environ.get("SLURM_ARRAY_TASK_ID"),
+            "node": environ.get("SLURMD_NODENAME"),
+            "resumed_from": self.resumed_from,
+        }
+        torchloom.write_atomically(os.path.join(self._run_dir, SLURM_FILE), json.dumps(record, indent=1) + "\n")
+
+    def _requeue(self) -> None:
+        """``scontrol requeue $SLURM_JOB_ID`` after the save on a signal (main process); warns when it cannot."""
+        job = os.environ.get("SLURM_JOB_ID")
+        if not job:
+            torchloom.warn("checkpoint: requeue is set but SLURM_JOB_ID is not: not a SLURM job, nothing requeued")
+            return
+        scontrol = shutil.which("scontrol")
+        if scontrol is None:
+            torchloom.warn(f"checkpoint: cannot requeue SLURM job {job}: no 'scontrol' on PATH")
+            return
+        try:
+            done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            torchloom.warn(f"checkpoint: cannot requeue SLURM job {job}: scontrol requeue {job}: {exc}")
+            return
+        if done.returncode != 0:
+            why = " ".join((done.stderr or done.stdout).split()) or f"exit status {done.returncode}"
+            torchloom.warn(f"checkpoint: cannot requeue SLURM job {job}: scontrol requeue {job}: {why}")
+            return
+        print(f"checkpoint: requeued SLURM job {job} (scontrol requeue {job})", flush=True)
 
     def _bound_across_runs(self, accelerator) -> None:
         """``keep_across_runs``: the main process deletes the oldest checkpoints of the ``output_dir``'s runs

@@ -59,6 +59,7 @@ _EXPORTS = {
     "optimizer_state_bytes": "torchloom._sizes",
     "load_plugin_state": "torchloom.state",
     "prune_checkpoints": "torchloom._retention",
+    "prune_lineage": "torchloom._retention",
     "quiet_libraries": "torchloom._output",
     "RankAgreement": "torchloom._agreement",
     "rank_agreement": "torchloom._context",
@@ -115,6 +116,7 @@ __all__ = [
     "load_plugin_state",
     "optimizer_state_bytes",
     "prune_checkpoints",
+    "prune_lineage",
     "quiet_libraries",
     "rank_agreement",
     "request_stop",
@@ -153,7 +155,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._memory_plan import estimate_memory
     from torchloom._names import INTERNAL_PREFIX
     from torchloom._output import is_terminal, quiet_libraries
-    from torchloom._retention import prune_checkpoints
+    from torchloom._retention import prune_checkpoints, prune_lineage
     from torchloom._strict_json import json_dumps
     from torchloom._suggest import closest_name
     from torchloom._warn import warn

@@ -1,21 +1,24 @@
 """Checkpoints bounded over the runs of one ``output_dir`` (`prune_checkpoints`): what the ``checkpoint`` plugin's
-``keep_across_runs`` applies after each save, as the HF Trainer's ``save_total_limit`` bounds one output directory.
+``keep_across_runs`` applies after each save, as the HF Trainer's ``save_total_limit`` bounds one output directory;
+and over the runs one training continues (`prune_lineage`): what its ``keep_last`` applies to a resumed fit, so that a
+job preempted and resumed any number of times keeps ``keep_last`` checkpoints in all.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from torchloom import _atomic as atomic
 from torchloom._layout import CHECKPOINTS_DIR, run_directories
+from torchloom._lineage import Resumed
 from torchloom.checkpoint import _run_checkpoints, delete_checkpoint
 from torchloom.errors import CheckpointError
 from torchloom.monitor import Monitor
 
-__all__ = ["prune_checkpoints"]
+__all__ = ["lineage_checkpoints", "prune_checkpoints", "prune_lineage"]
 
 
 def prune_checkpoints(
@@ -73,4 +76,64 @@ def prune_checkpoints(
         except (CheckpointError, FileNotFoundError):  # deleted by another process meanwhile
             continue
         deleted.append(str(candidate))
+    return deleted
+
+
+def lineage_checkpoints(resumed: Resumed, output_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """The complete checkpoints of the runs a resumed fit continues (``resumed.chain``), oldest first: of each run,
+    those up to the step the next run resumed from (a checkpoint after it is of a branch that no run continued).
+    With ``output_dir``, only runs that are its own ``version_N`` directories (not links to runs elsewhere). A link
+    outside a run directory, or to a run directory that is gone, adds none."""
+    root = Path(output_dir).resolve() if output_dir is not None else None
+    found = []
+    for link in resumed.chain:
+        run_dir, step = link.get("run_dir"), link.get("global_step")
+        if not isinstance(run_dir, str) or not isinstance(step, int) or not os.path.isdir(run_dir):
+            continue
+        run = Path(run_dir)
+        if root is not None and (run.is_symlink() or run.resolve().parent != root):
+            continue  # another output_dir's run (the fit resumed from it), or one linked in: never touched
+        for candidate, manifest in _run_checkpoints(run):
+            if manifest.get("global_step", -1) <= step and not candidate.is_symlink():
+                found.append(str(candidate))
+    return found
+
+
+def prune_lineage(
+    resumed: Resumed,
+    keep: int,
+    newer: Sequence[str | os.PathLike[str]],
+    *,
+    output_dir: str | os.PathLike[str] | None = None,
+    spare: Iterable[str | os.PathLike[str]] = (),
+) -> list[str]:
+    """Delete the checkpoints of the runs a resumed fit continues (`lineage_checkpoints`, of ``output_dir``'s own
+    runs when given) that are not among the newest ``keep`` of the whole training: those, then ``newer`` (the fit's
+    own checkpoints, oldest first). Call it on the main process only. Return the checkpoints deleted, oldest first.
+
+    This is how the ``checkpoint`` plugin's ``keep_last`` counts the training rather than the run: a job preempted
+    and resumed any number of times (``torchloom fit --resume auto``) keeps at most ``keep`` checkpoints, plus the
+    one it resumed from while it runs (the plugin spares it until training ends) and the best it keeps by
+    ``monitor``: pass those in ``spare``. Never deleted: those in ``spare``, those of another ``output_dir``, and
+    those of a run directory that another running process marked in use.
+
+    Raises:
+        ValueError: ``keep`` below 1.
+        OSError: a checkpoint cannot be renamed or removed.
+    """
+    if keep < 1:
+        raise ValueError(f"prune_lineage: keep={keep!r}")
+    earlier = lineage_checkpoints(resumed, output_dir)
+    kept = {os.path.realpath(p) for p in [*earlier, *map(str, newer)][-keep:]}
+    kept |= {os.path.realpath(p) for p in spare}
+    deleted = []
+    for candidate in earlier:
+        run = Path(candidate).parent.parent
+        if os.path.realpath(candidate) in kept or atomic.in_use_elsewhere(run):
+            continue
+        try:
+            delete_checkpoint(candidate)
+        except (CheckpointError, FileNotFoundError):  # deleted by another process meanwhile
+            continue
+        deleted.append(candidate)
     return deleted

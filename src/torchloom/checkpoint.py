@@ -414,11 +414,14 @@ def check_compatible(
             message listing what differs.
     """
     problems = []
-    if manifest.get("world_size") != accelerator.num_processes:
+    saved_processes = manifest.get("world_size")
+    if saved_processes != accelerator.num_processes:
         problems.append(
-            f"it was written by {manifest.get('world_size')} process(es), this run has {accelerator.num_processes} "
-            "(the data position, the random states and, with LocalSGD, the parameters and optimizer states are per "
-            "process)"
+            f"it was written by {saved_processes} process(es) and this run has {accelerator.num_processes}: another "
+            "number of processes is not supported (each process saved its own random states, data-loader generators "
+            "and partial sums of logged values, with LocalSGD its own parameters and optimizer states, and under "
+            f"FSDP / DeepSpeed its model and optimizer shards); resume with {saved_processes} process(es) (torchrun "
+            f"--nproc_per_node {saved_processes}, or accelerate launch --num_processes {saved_processes})"
         )
     saved = {k: tuple(v) for k, v in (manifest.get("model") or {}).get("parameters", {}).items()}
     current = {name: tuple(p.shape) for name, p in accelerator.unwrap_model(model).named_parameters()}

@@ -33,7 +33,10 @@ from torchloom.module import TaskModule
 from torchloom.plugins import PluginSpec, enable_plugins, plugin_name
 from torchloom.progress import Progress
 
-__all__ = ["Engine"]
+__all__ = ["AUTO", "Engine"]
+
+#: ``fit(ckpt_path="auto")`` / ``torchloom fit --resume auto``: resume when the ``output_dir`` has a checkpoint.
+AUTO = "auto"
 
 
 class Engine:
@@ -141,7 +144,10 @@ class Engine:
                 states, counters and data position are restored; the fit goes on from the next batch, in a new run
                 directory, exactly as if it had never stopped. That directory's ``metrics.jsonl`` starts with the
                 records of the runs it continues up to the checkpoint (marked ``carried_over_from``), and its
-                ``resumed_from.json`` names them (see `torchloom.Resumed`).
+                ``resumed_from.json`` names them (see `torchloom.Resumed`). ``"auto"``: the latest complete
+                checkpoint of the engine's ``output_dir`` when it has one, else a fit from scratch (what a job that a
+                scheduler restarts passes every time, first start included; a directory named ``auto`` is
+                ``./auto``).
             reset_optimizer (`bool`, defaults to False): with ``ckpt_path``, start the optimizer with fresh state
                 (required when its class changed; a warning says so).
 
@@ -151,9 +157,11 @@ class Engine:
             PluginError: a plugin failed, returned something invalid, or two plugins answered one set-up hook.
             CheckpointError: ``ckpt_path`` names no complete checkpoint, or one that this run cannot continue.
         """
-        from torchloom.checkpoint import find_checkpoint
+        from torchloom.checkpoint import find_checkpoint, list_checkpoints
 
         started = time.perf_counter()  # the fit's wall time, as the next resume carries it over
+        if ckpt_path == AUTO:  # the output_dir's latest checkpoint, or none: the same call on every (re)start
+            ckpt_path = self.config.output_dir if list_checkpoints(self.config.output_dir) else None
         self.resumed_from = find_checkpoint(ckpt_path) if ckpt_path is not None else None
         run = self._starter.start(
             task, "fit", datamodule, train_dataloader=train_dataloader, val_dataloader=val_dataloader
@@ -259,6 +267,33 @@ class Engine:
             predictions = prediction_pass(task, run)
             write_predictions(run.run_dir, predictions, run.accelerator)
         return predictions
+
+    @quiet_libraries()
+    def export(self, task: TaskModule, checkpoint: str | os.PathLike[str], directory: str | os.PathLike[str]) -> str:
+        """Write the model of ``checkpoint`` into the new folder ``directory``, as a fit with ``save_model: true``
+        that ended there would have written ``<run_dir>/model``; return ``directory``.
+
+        The model is built as a fit builds it (the seed, ``configure_model``, the plugins' ``configure_model``: the
+        ``peft`` plugin's adapter), the checkpoint's weights are loaded, and `TaskModule.save_model` writes it: a
+        transformers model as an ordinary transformers folder (``save_pretrained``), any other module as
+        ``model.safetensors``, a model with an adapter as the adapter in peft's format (with the ``peft`` plugin's
+        ``merge``, also ``merged/``: the merged model); then the plugins' ``on_save_model`` and the model card
+        ``torchloom_model.json`` (the run's config, the checkpoint's values, step and epoch, ``exported_from``).
+        No run directory is made; nothing is written unless all of it is.
+
+        Args:
+            task (`TaskModule`): the task whose model the checkpoint holds.
+            checkpoint (`str` or `os.PathLike`): a checkpoint directory (with ``manifest.json``).
+            directory (`str` or `os.PathLike`): where to write; must not exist, or be empty.
+
+        Raises:
+            ConfigError: ``checkpoint`` does not exist; ``directory`` exists and is not empty; several processes.
+            CheckpointError: not a complete checkpoint; one whose files do not match its manifest (refused before
+                anything loads); weights or an adapter that do not fit the task's model.
+        """
+        from torchloom._checkpoint_export import export_checkpoint
+
+        return export_checkpoint(self, task, checkpoint, directory)
 
     def _weights(self, ckpt_path: str | os.PathLike[str] | None, command: str) -> tuple[str, str] | None:
         """What ``ckpt_path`` names (`torchloom._export.resolve_weights`; ``"best"`` by the ``checkpoint`` plugin's

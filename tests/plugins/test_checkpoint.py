@@ -299,6 +299,7 @@ def test_a_mode_that_fits_the_name_or_a_name_that_says_nothing_does_not_warn(mon
         ({"mode": "best"}, r"'mode' = 'best'; expected one of min, max"),
         ({"keep_best": 0}, r"'keep_best' = 0"),
         ({"monitor": ""}, r"'monitor' = ''"),
+        ({"requeue": True, "save_on_interrupt": False}, r"'requeue' = true needs save_on_interrupt = true"),
     ],
 )
 def test_bad_settings_are_one_config_error_each(settings, message):

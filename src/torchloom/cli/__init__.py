@@ -1,5 +1,5 @@
-"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``plugins``, ``inspect``, ``convert-hf-args`` and
-``estimate-memory``.
+"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``plugins``, ``inspect``, ``export``,
+``convert-hf-args`` and ``estimate-memory``.
 
 Configs are parsed with jsonargparse (as LightningCLI does)::
 
@@ -7,8 +7,9 @@ Configs are parsed with jsonargparse (as LightningCLI does)::
     torchloom fit --config examples/fine_foods.yaml --print_config       # the resolved config, then exit
     torchloom plugins [--json] [--config FILE]                           # installed plugins [and call order]
     torchloom validate --config run.yaml --ckpt_path PATH|last|best      # with a checkpoint's or export's weights
-    torchloom predict --config run.yaml --ckpt_path PATH                 # the same --ckpt_path
+    torchloom predict --config run.yaml --ckpt_path PATH [--input FILE]  # the same --ckpt_path; raw rows of FILE
     torchloom inspect PATH [--json]                                      # a checkpoint, run directory or export
+    torchloom export CHECKPOINT OUT [--merge]                            # a checkpoint's model as a plain folder
     torchloom convert-hf-args args.json [-o run.yaml]                    # HF TrainingArguments -> engine + plugins
     torchloom estimate-memory MODEL [--budget 8GiB] [--optimizer adamw,adafactor] [--json]  # training memory
 
@@ -28,6 +29,7 @@ installed packages, so tasks defined next to it import by module name but a file
 the same process runs its own project's modules::
 
     torchloom fit --config run.yaml --resume [PATH]                       # continue from the latest checkpoint
+    torchloom fit --config run.yaml --resume auto                         # ... if there is one, else start fresh
 
 Errors caused by bad input print one line and exit with status 2; no traceback. A fit stopped by SIGTERM or
 Ctrl-C after the ``checkpoint`` plugin saved exits with 128 + the signal number (143, 130). ``fit``, ``validate`` and
@@ -39,7 +41,7 @@ The command is a client of torchloom's public API (the names in ``torchloom.__al
 builds and composes plugins through `torchloom.Engine` (``Engine.hook_order`` for the call order) and lists
 them with `torchloom.installed_plugins`; ``tests/test_cli_public_api.py`` checks its imports.
 
-One module per command (``fit``, ``validate``, ``predict``, ``plugins``, ``inspect``, ``convert_hf_args``,
+One module per command (``fit``, ``validate``, ``predict``, ``plugins``, ``inspect``, ``export``, ``convert_hf_args``,
 ``estimate_memory``: each its parser options and its ``run``), and the parts they share: ``_parser`` (the parser),
 ``_config`` (reading a run config), ``_options`` (the options read without jsonargparse), ``_yaml`` (the YAML
 loader), ``_run`` (what the run commands share) and ``_environment`` (``sys.path``, quiet processes).
@@ -81,7 +83,11 @@ def _main(argv: list[str], command: str | None) -> int:
         try:
             # The run commands' parsers import torch (they describe TaskModule / DataModule); the others start
             # without.
-            full = command in RUN_COMMANDS or (command == "plugins" and any(a.startswith("--config") for a in argv))
+            full = (
+                command in RUN_COMMANDS
+                or command == "export"  # builds the model of a run config
+                or (command == "plugins" and any(a.startswith("--config") for a in argv))
+            )
             parser, run_parsers = build_parser(run_commands=full)
             if command in RUN_COMMANDS:
                 argv, plugin_options, print_flags = take_cli_options(argv, argv.index(command) + 1)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torchloom
 
-from . import convert_hf_args, estimate_memory, fit, inspect, plugins, predict, validate
+from . import convert_hf_args, estimate_memory, export, fit, inspect, plugins, predict, validate
 from ._run import add_run_arguments
 
 __all__ = ["COMMANDS", "RUN_COMMANDS", "build_parser"]
@@ -18,6 +18,7 @@ RUN_COMMANDS: dict[str, types.ModuleType] = {"fit": fit, "validate": validate, "
 COMMANDS: dict[str, types.ModuleType] = {
     "plugins": plugins,
     "inspect": inspect,
+    "export": export,
     "convert-hf-args": convert_hf_args,
     "estimate-memory": estimate_memory,
 }

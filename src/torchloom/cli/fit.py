@@ -1,5 +1,6 @@
-"""``torchloom fit``: train the config's task; ``--resume [PATH]`` continues from a checkpoint, ``--reset_optimizer``
-with it keeps the weights and starts a new optimizer."""
+"""``torchloom fit``: train the config's task; ``--resume [PATH]`` continues from a checkpoint (``--resume auto``:
+when the ``output_dir`` has one, else starts fresh), ``--reset_optimizer`` with it keeps the weights and starts a new
+optimizer."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def take_resume_options(argv: list[str], command: str) -> tuple[list[str], dict[
     """Take ``--resume [PATH]`` and ``--reset_optimizer`` (``fit`` only) out of ``argv``.
 
     ``--resume`` alone resumes from the latest checkpoint under the run's ``output_dir``; ``--resume PATH`` (or
-    ``--resume=PATH``) from a checkpoint, a run directory or an ``output_dir``.
+    ``--resume=PATH``) from a checkpoint, a run directory or an ``output_dir``; ``--resume auto`` from the latest
+    checkpoint of the ``output_dir`` when there is one, else it starts fresh (the same command line for the first
+    start and every restart of a preempted job; a directory named ``auto`` is ``./auto``).
 
     Raises:
         ConfigError: either option with a command other than ``fit``, or ``--reset_optimizer`` without ``--resume``.

@@ -180,6 +180,8 @@ class CachedDataModule(DataModule, abc.ABC):
         self.train_dataset: datasets.Dataset | None = None
         self.val_dataset: datasets.Dataset | None = None
         self._tables: dict[str, datasets.Dataset] = {}
+        #: Raw rows to predict on instead of the validation rows (`set_predict_input`); ``None``: the validation rows.
+        self.predict_input: Any = None
         self._key: str | None = None
         self._settings: dict[str, Any] | None = None
 
@@ -333,8 +335,40 @@ class CachedDataModule(DataModule, abc.ABC):
 
     def predict_dataloader(self) -> DataLoader | None:
         """The validation rows, in order (what ``torchloom predict`` predicts on; the labels stay in the batches so
-        that predictions can be compared with them); ``None`` without validation."""
+        that predictions can be compared with them); ``None`` without validation. After `set_predict_input`, the
+        rows of that input instead, in its order."""
+        if self.predict_input is not None:
+            return DataLoader(
+                self.predict_dataset(),
+                batch_size=self.eval_batch_size,
+                shuffle=False,
+                collate_fn=self.collate_fn("validation"),
+                num_workers=self.num_workers,
+            )
         return self.val_dataloader()
+
+    def set_predict_input(self, source: Any) -> None:
+        """Predict on ``source`` instead of the validation rows (``torchloom predict --input FILE``): raw rows in
+        any form a split's source takes (a ``.jsonl`` / ``.json`` / ``.csv`` / ``.tsv`` / ``.parquet`` file, ...),
+        read (`read_split`) and preprocessed (`preprocess`) as the validation split is, not cached, and served in
+        their order. A ``label_column`` in them is encoded with the training split's classes; rows without one
+        are predicted as they are. Call it before ``setup``."""
+        self.predict_input = source
+
+    def predict_dataset(self) -> datasets.Dataset:
+        """The rows of `set_predict_input`'s source, read and preprocessed as the validation split (after ``setup``).
+
+        Raises:
+            ConfigError: the input cannot be read or preprocessed; the message names it.
+        """
+        shown = os.fspath(self.predict_input) if isinstance(self.predict_input, str | os.PathLike) else "the input"
+        try:
+            table = self.read_split("validation", self.predict_input)
+            if self.label_column is not None and self.label_column in table.column_names:
+                table = encode_labels(table, self.label_column, self.label_names, f"predict input {shown!r}")
+            return self.format_split(self.preprocess("validation", table))
+        except ConfigError as exc:
+            raise ConfigError(f"predict input {shown!r}: {exc}") from None
 
     # --------------------------------------------------------------------------------- settings checks
 
