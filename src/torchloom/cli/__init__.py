@@ -1,5 +1,5 @@
-"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``plugins``, ``inspect``, ``convert-hf-args`` and
-``estimate-memory``.
+"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``tune-lr``, ``plugins``, ``inspect``,
+``convert-hf-args`` and ``estimate-memory``.
 
 Configs are parsed with jsonargparse (as LightningCLI does)::
 
@@ -8,6 +8,7 @@ Configs are parsed with jsonargparse (as LightningCLI does)::
     torchloom plugins [--json] [--config FILE]                           # installed plugins [and call order]
     torchloom validate --config run.yaml --ckpt_path PATH|last|best      # with a checkpoint's or export's weights
     torchloom predict --config run.yaml --ckpt_path PATH                 # the same --ckpt_path
+    torchloom tune-lr --config run.yaml [--min_lr 1e-8 --max_lr 1]       # a learning-rate sweep, a suggestion
     torchloom inspect PATH [--json]                                      # a checkpoint, run directory or export
     torchloom convert-hf-args args.json [-o run.yaml]                    # HF TrainingArguments -> engine + plugins
     torchloom estimate-memory MODEL [--budget 8GiB] [--optimizer adamw,adafactor] [--json]  # training memory
@@ -39,7 +40,7 @@ The command is a client of torchloom's public API (the names in ``torchloom.__al
 builds and composes plugins through `torchloom.Engine` (``Engine.hook_order`` for the call order) and lists
 them with `torchloom.installed_plugins`; ``tests/test_cli_public_api.py`` checks its imports.
 
-One module per command (``fit``, ``validate``, ``predict``, ``plugins``, ``inspect``, ``convert_hf_args``,
+One module per command (``fit``, ``validate``, ``predict``, ``tune_lr``, ``plugins``, ``inspect``, ``convert_hf_args``,
 ``estimate_memory``: each its parser options and its ``run``), and the parts they share: ``_parser`` (the parser),
 ``_config`` (reading a run config), ``_options`` (the options read without jsonargparse), ``_yaml`` (the YAML
 loader), ``_run`` (what the run commands share) and ``_environment`` (``sys.path``, quiet processes).
