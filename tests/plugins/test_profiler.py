@@ -50,9 +50,9 @@ def test_each_cycle_writes_a_trace_of_its_active_optimizer_steps_and_a_table(tmp
 
 
 def test_a_profiler_step_is_an_optimizer_step_under_accumulation(tmp_path):
-    """4 micro-batches per optimizer step: 2 steps per epoch, 2 epochs; wait 1, warmup 0, active 2: the steps 1 and
+    """4 micro-batches per optimizer step: 2 steps per epoch, 2 epochs; wait 0, warmup 1, active 2: the steps 1 and
     2, two optimizer steps of 4 micro-batches each (a schedule counted in micro-batches would hold one)."""
-    profiler = Profiler(wait=1, warmup=0, active=2)
+    profiler = Profiler(wait=0, warmup=1, active=2)
     engine = tiny_fit([{"grad_accum": {"steps": 4}}, profiler], max_epochs=2, output_dir=str(tmp_path))
     (trace,) = [p for p in profiler.written if p.endswith(".json")]
     events = _events(trace)
@@ -63,11 +63,11 @@ def test_a_profiler_step_is_an_optimizer_step_under_accumulation(tmp_path):
 
 
 def test_a_fit_shorter_than_the_active_phase_writes_what_it_recorded(tmp_path):
-    profiler = Profiler(wait=0, warmup=0, active=20)
+    profiler = Profiler(wait=0, warmup=1, active=20)
     tiny_fit([profiler], max_epochs=1, output_dir=str(tmp_path))
     (trace,) = [p for p in profiler.written if p.endswith(".json")]
-    # the 8 optimizer steps, then what follows the last one until training ends (the epoch's end, its validation)
-    assert _profiler_steps(_events(trace)) == list(range(STEPS_PER_EPOCH + 1))
+    # steps 1 to 7 (0 is the warm-up), then what follows the last one until training ends (its validation)
+    assert _profiler_steps(_events(trace)) == list(range(1, STEPS_PER_EPOCH + 1))
 
 
 @pytest.mark.parametrize(

@@ -202,6 +202,7 @@ def _write(run_dir: str, lrs: list[float], sweep: LRSweep, suggestion: float | N
         if suggestion is not None:
             axes.axvline(suggestion, color="red", linestyle="--", label=f"suggested {suggestion:.3g}")
             axes.legend()
+        figure.tight_layout()
         png = os.path.join(run_dir, "lr_find.png")
         torchloom.write_atomically(png, lambda path: figure.savefig(path, format="png"))
         pyplot.close(figure)
