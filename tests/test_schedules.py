@@ -152,3 +152,15 @@ def test_a_bad_scheduler_dict_is_one_config_error(tmp_path, when, match):
     task = ScheduledTask(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1), when)
     with pytest.raises(torchloom.ConfigError, match=match):
         tiny_fit([], task=task, output_dir=str(tmp_path))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_on_two_processes_every_scheduler_steps_on_the_value_reduced_over_both(tmp_path):
+    from torchrun_util import torchrun
+
+    a, b = torchrun("plateau_fit.py", tmp_path)
+    assert all(x != y for x, y in zip(a["own"], b["own"], strict=True))  # each process logs values of its own
+    assert len(a["calls"]) == 2  # 4 optimizer steps per process, validation every 2
+    assert a["calls"] == b["calls"] == a["logged"] == b["logged"]  # the reduced value, on both
+    assert a["lr"] == b["lr"] < 0.05
