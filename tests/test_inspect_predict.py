@@ -109,7 +109,11 @@ def test_the_model_card_records_the_config_plugins_final_metrics_step_model_and_
     card = json.loads((run_dir / "model" / CARD).read_text())
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert card["config"] == config  # the resolved run config, as config.yaml holds it
-    assert card["plugins"] == config["plugins"] == {"grad_clip": {"max_norm": 5.0, "norm_type": 2.0}, "save_at": None}
+    assert (
+        card["plugins"]
+        == config["plugins"]
+        == {"grad_clip": {"max_norm": 5.0, "norm_type": 2.0, "clip_value": None}, "save_at": None}
+    )
     assert card["metrics"] == engine.logged_metrics  # what fit returned
     assert set(card["metrics"]) == {"train/loss", "val/loss", "grad_norm"}
     assert (card["global_step"], card["epoch"]) == (engine.progress.global_step, engine.progress.epoch) == (16, 1)
@@ -334,7 +338,7 @@ def test_inspect_a_checkpoint_reads_its_manifest_and_weights_header(fitted):
     assert info["weights"]["dtypes"] == header_totals([checkpoint / "accelerate" / "model.safetensors"])
     assert (info["global_step"], info["epoch"]) == (2, 0)
     assert info["metrics"] == manifest["metrics"] and set(info["metrics"]) == {"train/loss", "grad_norm"}
-    assert info["plugins"] == {"grad_clip": {"max_norm": 5.0, "norm_type": 2.0}, "save_at": None}
+    assert info["plugins"] == {"grad_clip": {"max_norm": 5.0, "norm_type": 2.0, "clip_value": None}, "save_at": None}
     assert info["stateful_plugins"] == []
     assert info["size_bytes"] == sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
 
@@ -607,7 +611,7 @@ def test_the_inspect_command_describes_a_run_directory_in_text_and_json(project)
         "  float32     2 tensors, 5 elements, 20 bytes",
     ]
     assert "step          16 (epoch 1)" in lines
-    assert 'plugins       grad_clip {"max_norm": 5.0, "norm_type": 2.0}' in lines
+    assert 'plugins       grad_clip {"max_norm": 5.0, "norm_type": 2.0, "clip_value": null}' in lines
     assert f"metrics       grad_norm = {last['grad_norm']:.6g}" in lines
     assert "checkpoints   (none)" in lines and "model dir     run/version_0/model" in lines
 
@@ -621,7 +625,7 @@ def test_the_inspect_command_describes_a_run_directory_in_text_and_json(project)
     }
     assert info["metrics"] == last
     assert info["plugins"] == {
-        "grad_clip": {"max_norm": 5.0, "norm_type": 2.0},
+        "grad_clip": {"max_norm": 5.0, "norm_type": 2.0, "clip_value": None},
         "progress": info["plugins"]["progress"],
     }
     card = json.loads((root / "run" / "version_0" / "model" / CARD).read_text())

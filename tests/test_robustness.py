@@ -162,17 +162,6 @@ def test_cli_reports_a_config_error_raised_by_a_task_init_in_one_line(tmp_path):
     assert proc.stderr == "torchloom: error: Strict: lr=-1.0; expected a number > 0\n"
 
 
-def test_an_epoch_interval_scheduler_is_rejected_not_stepped_per_step(tmp_path):
-    class EpochScheduler(TinyTask):
-        def configure_optimizers(self):
-            optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
-            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
-
-    with pytest.raises(torchloom.ConfigError, match="interval 'epoch' is not supported"):
-        tiny_fit(task=EpochScheduler(), output_dir=str(tmp_path))
-
-
 def test_a_value_logged_after_a_fit_does_not_leak_into_the_next_validation(tmp_path):
     engine = torchloom.Engine(output_dir=str(tmp_path))
     task = TinyTask()

@@ -353,15 +353,6 @@ def test_configure_optimizers_returns_that_cannot_be_right(tmp_path, value_fn, m
         tiny_fit(task=_returning(value_fn), output_dir=str(tmp_path))
 
 
-def test_reduce_lr_on_plateau_is_rejected(tmp_path):
-    def value_fn(model):
-        optimizer = torch.optim.SGD(model.parameters(), 0.1)
-        return optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
-
-    with pytest.raises(torchloom.TaskError, match="ReduceLROnPlateau"):
-        tiny_fit(task=_returning(value_fn), output_dir=str(tmp_path))
-
-
 @pytest.mark.parametrize("model", [None, torch.nn.Linear, {"w": torch.zeros(1)}])
 def test_configure_model_must_return_a_module(tmp_path, model):
     class Bad(TinyTask):

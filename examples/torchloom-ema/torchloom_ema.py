@@ -7,16 +7,17 @@ Every ``every`` optimizer steps the plugin updates one shadow copy of the parame
 starting from the weights at the start of the fit. Validation runs with the averaged weights swapped in,
 and the training weights are restored, bit for bit, when it ends. The average and the step counter are the
 plugin's state (``state_dict`` / ``load_state_dict``: tensors and ints only), which
-``torchloom.save_plugin_state`` writes as ``ema.safetensors`` + ``ema.json`` and ``torchloom.load_plugin_state``
-reads back, with no pickle::
+``torchloom.save_plugin_state`` writes as ``example_ema.safetensors`` + ``example_ema.json`` and
+``torchloom.load_plugin_state`` reads back, with no pickle::
 
     torchloom.save_plugin_state([ema], "checkpoint/plugins", is_main_process=accelerator.is_main_process)
     torchloom.load_plugin_state([ema], "checkpoint/plugins")  # before the next fit, or during it
 
-Enable it by name once this distribution is installed::
+Enable it by name once this distribution is installed (torchloom's built-in ``ema`` plugin does the same with
+more settings; this one is the template of a third-party plugin, so it has a name of its own)::
 
     plugins:
-      ema: {decay: 0.999, every: 1}
+      example_ema: {decay: 0.999, every: 1}
 
 It uses only names exported by ``torchloom`` (``Plugin``, ``hookimpl``, ``ConfigError``), which is what
 makes it safe to release separately. Averaging weights goes back to Polyak & Juditsky (1992), "Acceleration
@@ -50,7 +51,7 @@ class EMA(torchloom.Plugin):
         updates (`int`): updates of the average made so far.
     """
 
-    name = "ema"
+    name = "example_ema"
 
     @dataclass
     class Config:
@@ -146,7 +147,7 @@ class EMA(torchloom.Plugin):
             ValueError: ``model`` has different parameters than the model that was averaged.
         """
         if self._shadow is None:
-            raise RuntimeError("ema: no average to copy yet; it is created when a fit starts")
+            raise RuntimeError("example_ema: no average to copy yet; it is created when a fit starts")
         params = _parameters(model)
         _check_shapes(params, self._shadow, "copy_to")
         with torch.no_grad():
@@ -156,8 +157,8 @@ class EMA(torchloom.Plugin):
     def state_dict(self) -> dict[str, Any]:
         """The counters and the averaged weights: ``{"steps": int, "updates": int, "shadow": [tensor, ...]}``,
         one tensor per averaged parameter, on its device. Only ints and tensors, as the stateful-plugin contract
-        asks: `torchloom.save_plugin_state` writes the tensors to ``ema.safetensors`` (``shadow.0``, ...) and the
-        rest to ``ema.json``."""
+        asks: `torchloom.save_plugin_state` writes the tensors to ``example_ema.safetensors`` (``shadow.0``, ...) and
+        the rest to ``example_ema.json``."""
         if self._loaded is not None:  # loaded, not applied yet: hand it back unchanged
             return dict(self._loaded)
         return {
@@ -205,6 +206,6 @@ def _parameters(model: torch.nn.Module) -> list[torch.Tensor]:
 def _check_shapes(ours: list[torch.Tensor], theirs: list[torch.Tensor], where: str) -> None:
     if len(ours) != len(theirs) or any(a.shape != b.shape for a, b in zip(ours, theirs, strict=False)):
         raise ValueError(
-            f"ema.{where}: the average has {len(theirs)} tensors but the model has {len(ours)} parameters "
+            f"example_ema.{where}: the average has {len(theirs)} tensors but the model has {len(ours)} parameters "
             "(or their shapes differ); it comes from a different model"
         )

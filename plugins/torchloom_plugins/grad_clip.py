@@ -1,10 +1,11 @@
-"""Gradient clipping by total norm, once per optimizer step, on unscaled gradients.
+"""Gradient clipping by total norm (or by value), once per optimizer step, on unscaled gradients.
 
 Method card
 -----------
 - **What:** if the total ``norm_type``-norm of all gradients exceeds ``max_norm``, scale every gradient by
   ``max_norm / (norm + 1e-6)`` (`torch.nn.utils.clip_grad_norm_`); log the norm before clipping as
-  ``grad_norm``.
+  ``grad_norm``. With ``clip_value`` set, clip every gradient element to ``[-clip_value, clip_value]`` instead
+  (`torch.nn.utils.clip_grad_value_`, Lightning's ``gradient_clip_algorithm="value"``); no norm is computed or logged.
 - **Mechanism:** `accelerate.Accelerator.clip_grad_norm_`, which first unscales the gradients of an fp16
   loss scaler (``GradScaler.unscale_``, at most once per optimizer step; ``optimizer.step()`` then does not
   unscale again) and handles FSDP / DeepSpeed / XLA.
@@ -41,23 +42,31 @@ class GradientClippingConfig:
     Args:
         max_norm (`float`, defaults to 1.0): the largest allowed total gradient norm; ``> 0``.
         norm_type (`float`, defaults to 2.0): the p of the p-norm; ``> 0``, or ``inf`` for the max-norm.
+        clip_value (`float`, *optional*): clip by value instead: every gradient element to
+            ``[-clip_value, clip_value]`` (``> 0``); ``max_norm`` and ``norm_type`` are then not used and no
+            ``grad_norm`` is logged. ``None`` (the default) clips by norm.
 
     Raises:
-        ConfigError: ``max_norm`` or ``norm_type`` not positive (or not a number).
+        ConfigError: ``max_norm``, ``norm_type`` or ``clip_value`` not positive (or not a number).
     """
 
     max_norm: float = 1.0  # largest allowed total gradient norm (> 0)
     norm_type: float = 2.0  # p of the p-norm (> 0, or inf)
+    clip_value: float | None = None  # clip by value to [-clip_value, clip_value] instead of by norm
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_norm) and self.max_norm > 0):
             raise torchloom.ConfigError(f"setting 'max_norm' = {self.max_norm!r}; expected a finite number > 0")
         if math.isnan(self.norm_type) or self.norm_type <= 0:
             raise torchloom.ConfigError(f"setting 'norm_type' = {self.norm_type!r}; expected a number > 0 or inf")
+        if self.clip_value is not None and not (math.isfinite(self.clip_value) and self.clip_value > 0):
+            raise torchloom.ConfigError(
+                f"setting 'clip_value' = {self.clip_value!r}; expected a finite number > 0 (or null: clip by norm)"
+            )
 
 
 class GradientClipping(torchloom.Plugin):
-    """Clip the total gradient norm once per optimizer step and log it as ``grad_norm``.
+    """Clip the total gradient norm once per optimizer step and log it as ``grad_norm`` (or clip by value).
 
     Implements ``before_optimizer_step``. See the module docstring and ``docs/plugins/grad_clip.md``.
 
@@ -73,6 +82,9 @@ class GradientClipping(torchloom.Plugin):
 
     @torchloom.hookimpl
     def before_optimizer_step(self, model: torch.nn.Module, accelerator, log) -> None:
+        if self.config.clip_value is not None:  # by value: unscales once (fp16), then clamps every element
+            accelerator.clip_grad_value_(model.parameters(), self.config.clip_value)
+            return
         # Unscales once (fp16) and clips; the norm is inf / nan on an overflow step the scaler will skip, and
         # None under DeepSpeed without an engine.
         norm = accelerator.clip_grad_norm_(model.parameters(), self.config.max_norm, norm_type=self.config.norm_type)

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from torchloom._schedule import schedule_from
 from torchloom._warn import warn
-from torchloom.errors import ConfigError, PluginError, TaskError
+from torchloom.errors import PluginError, TaskError
 
 __all__ = [
     "NEGATIVE_ITEMS",
@@ -108,21 +109,15 @@ def split_optimizers(spec: Any, source: str) -> tuple[torch.optim.Optimizer, Any
 
     Raises:
         TaskError: anything else: ``None``, a string, a parameter generator, two optimizers (torchloom steps
-            one), a second element that is not a scheduler, ``ReduceLROnPlateau`` (it needs a metric per step).
-        ConfigError: a Lightning scheduler dict with an interval other than ``"step"``.
+            one), a second element that is not a scheduler.
+        ConfigError: a Lightning scheduler dict with an unknown key, interval, frequency or monitor.
     """
     expected = "an optimizer, (optimizer, scheduler) or {'optimizer': ..., 'lr_scheduler': ...}"
-    optimizer, scheduler = spec, None
+    optimizer, scheduler, when = spec, None, None
     if isinstance(spec, Mapping):
         optimizer, scheduler = spec.get("optimizer"), spec.get("lr_scheduler")
-        if isinstance(scheduler, Mapping):  # Lightning's {"scheduler": ..., "interval": "step"}
-            if scheduler.get("interval", "step") != "step":
-                raise ConfigError(
-                    f"{source}: lr_scheduler interval {scheduler['interval']!r} is not supported; torchloom steps "
-                    "the scheduler once per optimizer step: use 'step' (and size the schedule in optimizer steps, "
-                    "e.g. with task.num_training_steps)"
-                )
-            scheduler = scheduler.get("scheduler")
+        if isinstance(scheduler, Mapping):  # Lightning's {"scheduler": ..., "interval": "epoch", "monitor": ...}
+            when, scheduler = scheduler, scheduler.get("scheduler")
     elif isinstance(spec, tuple | list):
         optimizers = [o for o in spec if isinstance(o, torch.optim.Optimizer)]
         if len(optimizers) > 1:
@@ -141,11 +136,7 @@ def split_optimizers(spec: Any, source: str) -> tuple[torch.optim.Optimizer, Any
                 f"{source}: the scheduler is {_describe(scheduler)}; expected a learning-rate scheduler (an object "
                 "with step(), such as torch.optim.lr_scheduler.LambdaLR or transformers.get_scheduler(...))"
             )
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise TaskError(
-                f"{source}: ReduceLROnPlateau needs a monitored value at each step, and torchloom steps the "
-                "scheduler once per optimizer step without one; use a schedule of steps"
-            )
+        scheduler = schedule_from(scheduler, when, source)  # per epoch, every N, or on a monitored value
     return optimizer, scheduler
 
 

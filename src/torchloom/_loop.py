@@ -30,6 +30,7 @@ from torchloom._lineage import Resumed, read_resumed, training_record, write_res
 from torchloom._logbuffer import WEIGHT_PREFIX
 from torchloom._random_states import set_random_states
 from torchloom._runfiles import finish_fit
+from torchloom._schedule import after_epoch, after_validation
 from torchloom._setup import log_data_values, sanity_check
 from torchloom._warn import warn
 from torchloom.checkpoint import load_checkpoint, write_checkpoint
@@ -201,6 +202,7 @@ class FitLoop:
             set_random_states(rng)
         if self.config.val_check_interval is None:
             self.validate()
+        after_epoch(run.scheduler)  # an epoch-interval schedule, before an epoch-end checkpoint saves it
         self._save_point = (epoch, skip + batches, not done)
         try:
             relay.call("on_train_epoch_end", accelerator=run.accelerator, progress=state.progress(), log=self.logs.log)
@@ -336,7 +338,9 @@ class FitLoop:
         began = time.perf_counter()
         try:
             validation_pass(self.task, self.run, self.logs, progress)
-            return self.logs.report(self.logs.val, self.run, progress)[0]
+            values = self.logs.report(self.logs.val, self.run, progress)[0]
+            after_validation(self.run.scheduler, self.logs.latest)  # ReduceLROnPlateau: one value on every process
+            return values
         finally:
             self._val_time += time.perf_counter() - began
 

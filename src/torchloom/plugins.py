@@ -4,7 +4,7 @@ A plugin is a class with a ``name``, a ``Config`` dataclass (its typed settings)
 `torchloom.hookimpl`. A distribution makes it installable by name with an entry point::
 
     [project.entry-points."torchloom.plugins"]
-    ema = "torchloom_ema:EMA"
+    example_ema = "torchloom_ema:EMA"
 
 Only the plugins a run enables are imported. ``TORCHLOOM_PLUGINS=a,b`` limits which installed plugins may
 be enabled or listed at all.

@@ -100,6 +100,8 @@ def _norms(engine: torchloom.Engine) -> list[float]:
         ({"max_norm": float("nan")}, r"'max_norm' = nan"),
         ({"max_norm": "1"}, r"'max_norm' = '1'.*expected float"),
         ({"norm_type": 0.0}, r"'norm_type' = 0.0.*> 0 or inf"),
+        ({"clip_value": 0.0}, r"'clip_value' = 0.0; expected a finite number > 0 \(or null: clip by norm\)"),
+        ({"clip_value": float("inf")}, r"'clip_value' = inf"),
     ],
 )
 def test_bad_settings_are_one_clear_error(settings: dict[str, Any], match: str) -> None:
@@ -114,6 +116,20 @@ def test_c09_clips_to_max_norm_and_reports_the_norm_before_clipping(tmp_path) ->
     # torch divides by (norm + 1e-6): the applied gradient is -5 / 5.000001 and w = 0.1 up to that 1e-6.
     assert probe.grads[0].tolist() == pytest.approx([-1.0], abs=1e-6)
     assert probe.params == [[pytest.approx(0.1, abs=1e-7)]]
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_clip_value_clamps_each_unscaled_gradient_element_and_logs_no_norm(tmp_path, fp16) -> None:
+    """C09 by value: the gradient -5 becomes -0.5 (by norm, max_norm's default 1.0 would give -1), so w = 0.05; under
+    fp16 the clamp acts on the unscaled gradient (clamping the scaled -5120 would leave -0.5 / 1024)."""
+    probe = GradNormProbe()
+    plugins: list[Any] = [{"grad_clip": {"clip_value": 0.5}}, probe]
+    if fp16:
+        plugins.insert(0, {"mixed_precision": {"dtype": "fp16", "init_scale": 1024.0}})
+    engine = _run(plugins, ClipTask(), tmp_path)
+    assert probe.grads[0].tolist() == [-0.5]
+    assert probe.params == [[pytest.approx(0.05, abs=1e-7)]]
+    assert _norms(engine) == []
 
 
 def test_c09_fp16_clips_unscaled_gradients(tmp_path) -> None:

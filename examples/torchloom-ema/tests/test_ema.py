@@ -1,4 +1,4 @@
-"""Tests of the ema plugin, written with torchloom.testing (run: pytest examples/torchloom-ema/tests)."""
+"""Tests of the example_ema plugin, written with torchloom.testing (run: pytest examples/torchloom-ema/tests)."""
 
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ def val_loss(weights: list[torch.Tensor]) -> float:
     return torch.nn.functional.mse_loss(x.double() @ w.T + b, y.double()).item()
 
 
-def test_is_installed_under_the_name_ema():
-    (ep,) = [e for e in importlib.metadata.entry_points(group="torchloom.plugins") if e.name == "ema"]
+def test_is_installed_under_the_name_example_ema():
+    (ep,) = [e for e in importlib.metadata.entry_points(group="torchloom.plugins") if e.name == "example_ema"]
     assert ep.load() is EMA
-    (plugin,) = torchloom.enable_plugins({"ema": {"decay": 0.5, "every": 2}})
+    (plugin,) = torchloom.enable_plugins({"example_ema": {"decay": 0.5, "every": 2}})
     assert isinstance(plugin, EMA)
     assert (plugin.config.decay, plugin.config.every) == (0.5, 2)
 
@@ -167,10 +167,10 @@ def test_state_round_trips_bitwise_through_safetensors_and_json(tmp_path):
     before = ema.state_dict()
     assert (before["steps"], before["updates"]) == (STEPS_PER_EPOCH, STEPS_PER_EPOCH // 2)
 
-    assert torchloom.save_plugin_state([ema], tmp_path / "state") == ["ema"]
-    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["ema.json", "ema.safetensors"]
+    assert torchloom.save_plugin_state([ema], tmp_path / "state") == ["example_ema"]
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["example_ema.json", "example_ema.safetensors"]
     fresh = EMA(decay=0.9, every=2)
-    assert torchloom.load_plugin_state([fresh], tmp_path / "state") == ["ema"]
+    assert torchloom.load_plugin_state([fresh], tmp_path / "state") == ["example_ema"]
     assert same_state(fresh.state_dict(), before)  # loaded outside a fit: kept as loaded until the next one
     assert same_state(ema.state_dict(), before)  # saving changed nothing
 
@@ -258,5 +258,5 @@ def test_copy_to_puts_the_average_in_a_model(tmp_path):
     ],
 )
 def test_bad_settings_are_one_clear_error(settings, message):
-    with pytest.raises(torchloom.ConfigError, match=f"plugin 'ema': {message}"):
-        torchloom.enable_plugins({"ema": settings})
+    with pytest.raises(torchloom.ConfigError, match=f"plugin 'example_ema': {message}"):
+        torchloom.enable_plugins({"example_ema": settings})

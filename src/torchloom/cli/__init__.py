@@ -1,4 +1,4 @@
-"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``plugins``, ``inspect``, ``export``,
+"""The ``torchloom`` command: ``fit``, ``validate``, ``predict``, ``tune-lr``, ``plugins``, ``inspect``, ``export``,
 ``convert-hf-args`` and ``estimate-memory``.
 
 Configs are parsed with jsonargparse (as LightningCLI does)::
@@ -8,6 +8,7 @@ Configs are parsed with jsonargparse (as LightningCLI does)::
     torchloom plugins [--json] [--config FILE]                           # installed plugins [and call order]
     torchloom validate --config run.yaml --ckpt_path PATH|last|best      # with a checkpoint's or export's weights
     torchloom predict --config run.yaml --ckpt_path PATH [--input FILE]  # the same --ckpt_path; raw rows of FILE
+    torchloom tune-lr --config run.yaml [--min_lr 1e-8 --max_lr 1]       # a learning-rate sweep, a suggestion
     torchloom inspect PATH [--json]                                      # a checkpoint, run directory or export
     torchloom export CHECKPOINT OUT [--merge]                            # a checkpoint's model as a plain folder
     torchloom convert-hf-args args.json [-o run.yaml]                    # HF TrainingArguments -> engine + plugins
@@ -41,10 +42,11 @@ The command is a client of torchloom's public API (the names in ``torchloom.__al
 builds and composes plugins through `torchloom.Engine` (``Engine.hook_order`` for the call order) and lists
 them with `torchloom.installed_plugins`; ``tests/test_cli_public_api.py`` checks its imports.
 
-One module per command (``fit``, ``validate``, ``predict``, ``plugins``, ``inspect``, ``export``, ``convert_hf_args``,
-``estimate_memory``: each its parser options and its ``run``), and the parts they share: ``_parser`` (the parser),
-``_config`` (reading a run config), ``_options`` (the options read without jsonargparse), ``_yaml`` (the YAML
-loader), ``_run`` (what the run commands share) and ``_environment`` (``sys.path``, quiet processes).
+One module per command (``fit``, ``validate``, ``predict``, ``tune_lr``, ``plugins``, ``inspect``, ``export``,
+``convert_hf_args``, ``estimate_memory``: each its parser options and its ``run``), and the parts they share:
+``_parser`` (the parser), ``_config`` (reading a run config), ``_options`` (the options read without
+jsonargparse), ``_yaml`` (the YAML loader), ``_run`` (what the run commands share) and ``_environment``
+(``sys.path``, quiet processes).
 """
 
 from __future__ import annotations

@@ -7,13 +7,13 @@ from typing import Any
 
 import torchloom
 
-from . import convert_hf_args, estimate_memory, export, fit, inspect, plugins, predict, validate
+from . import convert_hf_args, estimate_memory, export, fit, inspect, plugins, predict, tune_lr, validate
 from ._run import add_run_arguments
 
 __all__ = ["COMMANDS", "RUN_COMMANDS", "build_parser"]
 
 #: The commands that run a task, each with its module (``add_arguments``, ``run``).
-RUN_COMMANDS: dict[str, types.ModuleType] = {"fit": fit, "validate": validate, "predict": predict}
+RUN_COMMANDS: dict[str, types.ModuleType] = {"fit": fit, "validate": validate, "predict": predict, "tune-lr": tune_lr}
 #: The other commands, each with its module (``HELP``, ``parser``, ``run``).
 COMMANDS: dict[str, types.ModuleType] = {
     "plugins": plugins,

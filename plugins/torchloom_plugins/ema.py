@@ -1,0 +1,267 @@
+"""An exponential moving average (EMA) of the trained weights: validated with, swapped in before the final save.
+
+Method card
+-----------
+- **What:** one shadow copy of the trainable parameters, updated every ``every`` optimizer steps as
+  ``ema = decay_t * ema + (1 - decay_t) * weights`` from the weights at the start of the fit (Polyak & Juditsky
+  1992; the exponential form of TensorFlow's ``ExponentialMovingAverage`` and timm's ``ModelEma``). With
+  ``warmup_power`` > 0 the decay of the ``t``-th update (t = 0, 1, ...) is ``min(decay, 1 - (1 + t) ** -power)``
+  (timm's ``ModelEmaV3`` and diffusers' ``EMAModel`` with ``inv_gamma`` 1): the first updates follow the weights
+  closely, so the average does not stay anchored to the random initialisation.
+- **Mechanism:** `torch.optim.swa_utils.get_ema_multi_avg_fn`, the update of `torch.optim.swa_utils.AveragedModel`
+  (one ``torch._foreach_lerp_`` over the parameter list, on the device, no host-device sync), applied to a list of
+  shadow tensors rather than a deep copy of the model: only the parameters with ``requires_grad`` are averaged,
+  so under ``peft`` the shadow is the adapter's weights only and the frozen base is never copied.
+- **Hooks:** ``on_fit_start`` (copy the weights, or apply a loaded state); ``after_optimizer_step`` (update; skips a
+  step the fp16 loss scaler skipped); ``on_validation_start`` / ``on_validation_end`` (swap the average in, then the
+  training weights back bit for bit; ``validate_with_ema``); ``on_train_end`` (copy the average into the model
+  before the engine saves it, ``swap_at_end``); ``teardown`` (put the training weights back if a validation raised).
+- **State:** ``state_dict`` / ``load_state_dict`` hold the counters (ints) and the shadow (tensors), so the
+  ``checkpoint`` plugin saves them with no pickle and a resumed fit continues the average bit for bit.
+- **Several processes:** under DDP every process holds the same average. Under ``local_sgd`` the processes'
+  weights differ between synchronisations, and so do their averages: where the average is used (validation, the
+  end of training, a checkpoint) the processes first replace theirs by the mean over processes, which is the
+  average of the mean weights (the update is linear). The mean is computed as rank 0's value plus the mean of the
+  differences from it, so equal averages (DDP) stay bitwise unchanged.
+- **Sources:** Polyak & Juditsky, "Acceleration of stochastic approximation by averaging" (1992); PyTorch's
+  ``torch.optim.swa_utils``; timm ``ModelEmaV3`` and diffusers ``EMAModel`` (the warm-up); Lightning's
+  ``WeightAveraging`` callback (validation with the average, the swap before the save).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+import torchloom
+from torchloom import ConfigError
+
+__all__ = ["EMAConfig", "ExponentialMovingAverage", "ema_decay"]
+
+
+@dataclass
+class EMAConfig:
+    """Settings of the ``ema`` plugin.
+
+    Args:
+        decay (`float`, defaults to 0.999): the weight of the old average in each update; strictly between 0 and 1.
+        every (`int`, defaults to 1): update the average every this many optimizer steps.
+        warmup_power (`float`, defaults to 0.0): ``0`` keeps the decay constant; ``> 0`` uses
+            ``min(decay, 1 - (1 + t) ** -warmup_power)`` at the ``t``-th update (``2/3`` or ``3/4`` are usual).
+        validate_with_ema (`bool`, defaults to True): run validation with the averaged weights swapped in.
+        swap_at_end (`bool`, defaults to True): copy the average into the model when training ends, before the
+            final model is saved, so that the saved model and the model ``fit`` returns with are the average.
+
+    Raises:
+        ConfigError: ``decay`` outside (0, 1), ``every`` < 1 or ``warmup_power`` negative.
+    """
+
+    decay: float = 0.999  # weight of the old average in each update, in (0, 1)
+    every: int = 1  # update every this many optimizer steps
+    warmup_power: float = 0.0  # 0: constant decay; > 0: min(decay, 1 - (1 + t) ** -power)
+    validate_with_ema: bool = True  # validate with the average swapped in
+    swap_at_end: bool = True  # the average replaces the weights before the final save
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.decay) and 0.0 < self.decay < 1.0):
+            raise ConfigError(f"setting 'decay' = {self.decay!r}; expected a number strictly between 0 and 1")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"setting 'every' = {self.every!r}; expected an integer >= 1 (optimizer steps)")
+        if not (math.isfinite(self.warmup_power) and self.warmup_power >= 0):
+            raise ConfigError(f"setting 'warmup_power' = {self.warmup_power!r}; expected a number >= 0 (0: no warm-up)")
+
+
+def ema_decay(decay: float, update: int, warmup_power: float = 0.0) -> float:
+    """The decay of the ``update``-th update (0-based): ``decay``, or with a warm-up
+    ``min(decay, 1 - (1 + update) ** -warmup_power)``."""
+    if warmup_power <= 0:
+        return decay
+    return min(decay, 1.0 - (1.0 + update) ** -warmup_power)
+
+
+class ExponentialMovingAverage(torchloom.Plugin):
+    """Keep an exponential moving average of the trained weights, validate with it and save it at the end.
+
+    Args:
+        config (`EMAConfig`, *optional*): ready-made settings, or pass them as keywords (``decay=0.99``).
+
+    Example:
+
+    .. code-block:: python
+
+        engine = torchloom.Engine(plugins={"ema": {"decay": 0.999, "warmup_power": 0.75}})
+
+    Attributes:
+        steps (`int`): optimizer steps counted (those the fp16 loss scaler skipped are not).
+        updates (`int`): updates of the average made.
+    """
+
+    name = "ema"
+    Config = EMAConfig
+    config: EMAConfig
+
+    def __init__(self, config: EMAConfig | None = None, **settings: Any) -> None:
+        super().__init__(config, **settings)
+        self.steps = 0
+        self.updates = 0
+        self._shadow: list[torch.Tensor] | None = None  # one tensor per averaged parameter, on its device
+        self._params: list[torch.Tensor] = []  # the averaged parameters of the fit's model, in order
+        self._backup: list[torch.Tensor] | None = None  # the training weights while validating
+        self._world = 1  # processes of the fit
+        self._fitting = False
+        self._loaded: dict[str, Any] | None = None  # a state loaded outside a fit, applied at the next start
+
+    # ----------------------------------------------------------------------------------------------- hooks
+
+    @torchloom.hookimpl
+    def on_fit_start(self, model: torch.nn.Module, accelerator) -> None:
+        self._params = _averaged(model)
+        self._world = accelerator.num_processes
+        with torch.no_grad():
+            self._shadow = [p.detach().clone() for p in self._params]
+        self.steps = self.updates = 0
+        self._fitting = True
+        if self._loaded is not None:  # a checkpoint loaded before the fit (torchloom fit --resume)
+            state, self._loaded = self._loaded, None
+            self.load_state_dict(state)
+
+    @torchloom.hookimpl
+    def after_optimizer_step(self, optimizer) -> None:
+        if getattr(optimizer, "step_was_skipped", False):  # an fp16 overflow: the weights did not move
+            return
+        self.steps += 1
+        if self.steps % self.config.every or not self._shadow:
+            return
+        decay = ema_decay(self.config.decay, self.updates, self.config.warmup_power)
+        get_ema_multi_avg_fn(decay)(self._shadow, self._params, None)  # foreach lerp, on the device
+        self.updates += 1
+
+    @torchloom.hookimpl
+    def on_validation_start(self, model: torch.nn.Module) -> None:
+        if not self.config.validate_with_ema or self._shadow is None or not self._is_ours(model):
+            return  # no average yet (validate before any fit), or another model (Engine.validate on another task)
+        self._synchronise()
+        with torch.no_grad():
+            self._backup = [p.detach().clone() for p in self._params]
+            for param, average in zip(self._params, self._shadow, strict=True):
+                param.copy_(average)
+
+    @torchloom.hookimpl
+    def on_validation_end(self) -> None:
+        self._restore()
+
+    @torchloom.hookimpl
+    def on_train_end(self, model: torch.nn.Module) -> None:
+        if self.config.swap_at_end and self._shadow is not None and self._is_ours(model):
+            self._synchronise()
+            self.copy_to(model)
+
+    @torchloom.hookimpl
+    def teardown(self, stage: str) -> None:
+        self._restore()
+        if stage == "fit":
+            self._fitting = False
+
+    # ------------------------------------------------------------------------------------------ public API
+
+    @property
+    def averaged_parameters(self) -> list[torch.Tensor] | None:
+        """The average, one tensor per trainable parameter in ``model.parameters()`` order (``None`` before the
+        first fit). Do not modify it in place."""
+        return self._shadow
+
+    def copy_to(self, model: torch.nn.Module) -> None:
+        """Copy the average into ``model``'s trainable parameters.
+
+        Raises:
+            RuntimeError: no average yet (no fit has started).
+            ValueError: ``model``'s trainable parameters differ in number or shape from those averaged.
+        """
+        if self._shadow is None:
+            raise RuntimeError("ema: no average to copy yet; it is created when a fit starts")
+        params = _averaged(model)
+        _check_shapes(params, self._shadow, "copy_to")
+        with torch.no_grad():
+            for param, average in zip(params, self._shadow, strict=True):
+                param.copy_(average)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"steps": int, "updates": int, "shadow": [tensor, ...]}``, as `torchloom.save_plugin_state` takes it
+        (``ema.json`` + ``ema.safetensors``). With several processes it is a collective (the averages are made equal
+        first): call it on every process, as the ``checkpoint`` plugin does."""
+        if self._loaded is not None:  # loaded, not applied yet: hand it back unchanged
+            return dict(self._loaded)
+        if self._fitting:
+            self._synchronise()
+        return {"steps": self.steps, "updates": self.updates, "shadow": list(self._shadow or [])}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned: at once during a fit (copied onto each parameter's device), else
+        kept and applied when the next fit starts.
+
+        Raises:
+            PluginError: ``state`` lacks the integer counters or the list of tensors.
+            ValueError: the tensors differ in number or shape from the model's trainable parameters.
+        """
+        steps, updates, shadow = (
+            state.get(k) if isinstance(state, dict) else None for k in ("steps", "updates", "shadow")
+        )
+        if (
+            not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (steps, updates))
+            or not isinstance(shadow, list)
+            or not all(isinstance(t, torch.Tensor) for t in shadow)
+        ):
+            raise torchloom.PluginError(
+                "ema: cannot load the state; expected {'steps': int, 'updates': int, 'shadow': [tensor, ...]}"
+            )
+        if not self._fitting or self._shadow is None:
+            self._loaded = dict(state)
+            return
+        _check_shapes(self._shadow, shadow, "load_state_dict")
+        with torch.no_grad():
+            for average, saved in zip(self._shadow, shadow, strict=True):
+                average.copy_(saved)
+        self.steps, self.updates = int(steps), int(updates)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    def _is_ours(self, model: torch.nn.Module) -> bool:
+        params = _averaged(model)
+        return len(params) == len(self._params) and all(p is q for p, q in zip(params, self._params))
+
+    def _synchronise(self) -> None:
+        """Make every process's average the mean over processes (a no-op on one process; bitwise when equal)."""
+        if self._world < 2 or not self._shadow or not torch.distributed.is_initialized():
+            return
+        with torch.no_grad():
+            for average in self._shadow:
+                reference = average.clone()
+                torch.distributed.broadcast(reference, src=0)
+                difference = average - reference  # exactly zero where the processes agree (DDP)
+                torch.distributed.all_reduce(difference)
+                average.copy_(reference + difference / self._world)
+
+    def _restore(self) -> None:
+        if self._backup is None:
+            return
+        with torch.no_grad():
+            for param, saved in zip(self._params, self._backup, strict=True):
+                param.copy_(saved)
+        self._backup = None
+
+
+def _averaged(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters the average covers: floating point and trainable (under peft, the adapter's)."""
+    return [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+
+
+def _check_shapes(ours: list[torch.Tensor], theirs: list[torch.Tensor], where: str) -> None:
+    if len(ours) != len(theirs) or any(a.shape != b.shape for a, b in zip(ours, theirs)):
+        raise ValueError(
+            f"ema.{where}: the average has {len(theirs)} tensors but the model has {len(ours)} trainable parameters "
+            "(or their shapes differ); it comes from a different model"
+        )
