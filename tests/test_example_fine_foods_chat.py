@@ -177,6 +177,48 @@ def test_cli_fit_on_a_tiny_llama_logs_generation_metrics_and_saves_a_reloadable_
     assert {line["reference"] for line in lines} <= {"yes", "no"} and all("<|im_start|>" in x["prompt"] for x in lines)
 
 
+@pytest.mark.parametrize("config", ["fine_foods_chat_lora.yaml", "fine_foods_chat_qlora.yaml"])
+def test_the_adapter_configs_train_only_the_adapter_and_save_it_in_peft_format(
+    chat, reviews, tiny_model, tmp_path, config
+):
+    """The LoRA and QLoRA versions of the config, through the CLI on the tiny Llama: the summary counts the
+    adapter's parameters as the trainable ones (all-linear, rank 16: 2 layers x (4 attention + 3 MLP) x 16 x
+    (in + out)), AdamW's state is theirs only, the saved model is peft's adapter folder, and the 4-bit base holds
+    its linear weights at half a byte each."""
+    pytest.importorskip("peft")
+    if "qlora" in config:
+        pytest.importorskip("bitsandbytes")
+    out = tmp_path / "run"
+    overrides = [f"--data.init_args.{k}={v}" for k, v in FEW.items()] + [
+        f"--data.init_args.cache_dir={reviews}",
+        f"--data.init_args.model_dir={tiny_model}",
+        f"--task.init_args.model_dir={tiny_model}",
+        f"--engine.output_dir={out}",
+    ]
+    result = run_cli("fit", "--config", str(EXAMPLES / config), *overrides, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "latest" / "summary.json").read_text())
+    base = json.loads((Path(tiny_model) / "config.json").read_text())
+    hidden, inter, heads, kv = (
+        base["hidden_size"], base["intermediate_size"], base["num_attention_heads"], base["num_key_value_heads"]
+    )  # fmt: skip
+    kv_out = hidden // heads * kv
+    shapes = [(hidden, hidden), (hidden, kv_out), (hidden, kv_out), (hidden, hidden)]  # q, k, v, o
+    shapes += [(hidden, inter), (hidden, inter), (inter, hidden)]  # gate, up, down
+    adapter = base["num_hidden_layers"] * sum(16 * (i + o) for i, o in shapes)
+    assert summary["parameters"]["trainable"] == adapter
+    steps = summary["optimizer_steps"]
+    assert steps > 0 and summary["optimizer_state_bytes"] == 8 * adapter + 4 * 2 * 7 * base["num_hidden_layers"]
+    model_dir = out / "latest" / "model"
+    assert (model_dir / "adapter_config.json").is_file() and (model_dir / "adapter_model.safetensors").is_file()
+    linear = base["num_hidden_layers"] * sum(i * o for i, o in shapes)
+    if "qlora" in config:  # the linear weights packed two per byte, the rest (embeddings, norms, head) float32
+        rest = summary["parameters"]["total"] - adapter - linear
+        assert summary["parameters"]["bytes"] == linear // 2 + 4 * (rest + adapter)
+    else:
+        assert summary["parameters"]["bytes"] == 4 * summary["parameters"]["total"]
+
+
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -73,3 +73,33 @@ def test_the_fit_summary_records_the_parameters_and_the_optimizer_state(tmp_path
     assert summary["optimizer_state_bytes"] == 40
     out = capsys.readouterr().out
     assert "parameters 19 (4 trainable, 21.1 %), 76 B; optimizer state 40 B\n" in out
+
+
+def test_4bit_weights_in_a_wider_storage_dtype_count_the_weights_they_pack():
+    """FSDP-QLoRA stores the packed 4-bit data in bf16 (``quant_storage``): 4 weights per element, not 2."""
+    bnb = pytest.importorskip("bitsandbytes")
+    weight = bnb.nn.Params4bit(
+        torch.randn(32, 64), requires_grad=False, quant_type="nf4", quant_storage=torch.bfloat16
+    ).to("cpu")
+    assert weight.dtype == torch.bfloat16 and weight.numel() == 512
+    module = torch.nn.Module()
+    module.weight = weight
+    counts = torchloom.count_parameters(module)
+    assert counts["total"] == 2048 and counts["bytes"] == 1024
+    assert counts["dtypes"] == {"bfloat16": 2048}
+
+
+def test_optimizer_state_bytes_reads_through_accelerates_wrapper_and_counts_shared_state_once():
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    alone = torchloom.optimizer_state_bytes(optimizer)
+    assert alone == 2 * 4 * 4 + 2 * 4
+    assert torchloom.optimizer_state_bytes(AcceleratedOptimizer(optimizer, device_placement=False)) == alone
+    shared = torch.zeros(256)  # one tensor in two parameters' state (as bitsandbytes' quantization maps)
+    for state in optimizer.state.values():
+        state["qmap"] = shared
+    assert torchloom.optimizer_state_bytes(optimizer) == alone + 256 * 4

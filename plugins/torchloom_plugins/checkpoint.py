@@ -51,7 +51,6 @@ Method card
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -210,16 +209,16 @@ class Checkpoint(torchloom.Plugin):
         self.resumed_from = None if resumed is None else resumed.checkpoint
         self._resumed = resumed
         self._completed = False
-        if not self._off and accelerator.is_main_process and os.environ.get("SLURM_JOB_ID"):
-            self._record_slurm_job()
-        if self._monitor is not None:
-            self._monitor.start()
         kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
-        if self.config.async_save and kind in ASYNC_UNSUPPORTED:
+        if self.config.async_save and kind in ASYNC_UNSUPPORTED:  # refused before anything is written
             raise torchloom.ConfigError(
                 f"setting 'async_save' = true: a run with {kind} saves its shards with collectives of its own, "
                 "which a background save cannot run; set async_save: false"
             )
+        if not self._off and accelerator.is_main_process and os.environ.get("SLURM_JOB_ID"):
+            self._record_slurm_job()
+        if self._monitor is not None:
+            self._monitor.start()
         if self._off or not self.config.save_on_interrupt:  # a fast_dev_run: Ctrl-C stops it as any program
             return
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread
@@ -387,7 +386,9 @@ class Checkpoint(torchloom.Plugin):
             "node": environ.get("SLURMD_NODENAME"),
             "resumed_from": self.resumed_from,
         }
-        torchloom.write_atomically(os.path.join(self._run_dir, SLURM_FILE), json.dumps(record, indent=1) + "\n")
+        torchloom.write_atomically(
+            os.path.join(self._run_dir, SLURM_FILE), torchloom.json_dumps(record, indent=1) + "\n"
+        )
 
     def _requeue(self) -> None:
         """``scontrol requeue $SLURM_JOB_ID`` after the save on a signal (main process); warns when it cannot."""

@@ -223,11 +223,32 @@ INTERNALS: tuple[Internal, ...] = (
         "accelerate.Accelerator.__init__",
         "the attributes Accelerator sets without documenting them: scaler (whether fp16 loss scaling is on; the "
         "CPU GradScaler mixed_precision installs), native_amp and scaler_handler (that install), "
-        "project_configuration (pointed at the run directory once it exists)",
-        ("torchloom.checkpoint", "torchloom._lifetime", "torchloom_plugins.mixed_precision"),
+        "project_configuration (pointed at the run directory once it exists); and the lists save_state reads, "
+        "which the asynchronous save copies from the same places: _models, _optimizers, _schedulers, "
+        "_custom_objects (what prepare and register_for_checkpointing registered) and _save_model_state_pre_hook "
+        "(register_save_state_pre_hook's hooks)",
+        ("torchloom.checkpoint", "torchloom._lifetime", "torchloom_plugins.mixed_precision", "torchloom._async_save"),
         kind="source",
-        contains=("self.scaler =", "self.native_amp =", "self.scaler_handler =", "self.project_configuration ="),
-        names=("scaler", "project_configuration"),
+        contains=(
+            "self.scaler =",
+            "self.native_amp =",
+            "self.scaler_handler =",
+            "self.project_configuration =",
+            "self._models = []",
+            "self._optimizers = []",
+            "self._schedulers = []",
+            "self._custom_objects = []",
+            "self._save_model_state_pre_hook = OrderedDict()",
+        ),
+        names=(
+            "scaler",
+            "project_configuration",
+            "_models",
+            "_optimizers",
+            "_schedulers",
+            "_custom_objects",
+            "_save_model_state_pre_hook",
+        ),
     ),
     Internal(
         "accelerate.optimizer.AcceleratedOptimizer.step",
@@ -310,7 +331,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "torch.UntypedStorage._cdata",
         "the identity of a storage, so that estimate-memory counts a storage shared by several tensors once",
-        ("torchloom._memory_trace",),
+        ("torchloom._memory_trace", "torchloom._memory_source"),
     ),
     Internal(
         "torch.distributed.nn.functional",
