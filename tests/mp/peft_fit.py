@@ -7,7 +7,8 @@
 
 As a script (``torchrun --nproc_per_node 2 peft_fit.py OUT``): the resume scenarios of `MP_SCENARIOS`, each an
 uninterrupted run A and runs B (stops right after a checkpoint) + C (resumes it), compared by the test with
-tests/test_resume.py's ``assert_resumed_exactly``; each rank writes ``result-<rank>.json``.
+tests/test_resume.py's ``assert_resumed_exactly``, then the plugin's run against `HandLoraTask`'s (``by_hand``);
+each rank writes ``result-<rank>.json``.
 """
 
 from __future__ import annotations
@@ -136,6 +137,19 @@ def main(argv: list[str]) -> None:
         for i, stop in enumerate(spec["stops"]):
             b, c = stop_and_resume(make, out / name / f"bc{i}", spec["plugins"], **stop)
             results[name].append({"stop": stop, **record(a, b, c)})
+    # The plugin against the adapter written by hand, under DDP: parameters, optimizer state and history.
+    from resume_fit import _plain, snapshot
+
+    hand = fit(lambda: HandLoraTask(n=16, hidden=32), out / "hand", [])
+    plugin = fit(lambda: LoraTask(n=16, hidden=32), out / "plugin", [{"peft": LORA}])
+    results["by_hand"] = {
+        "hand": snapshot(hand.engine),
+        "plugin": snapshot(plugin.engine),
+        "hand_history": _plain(list(hand.engine.history)),
+        "plugin_history": _plain(list(plugin.engine.history)),
+        "hand_ids": hand.probe.ids,
+        "plugin_ids": plugin.probe.ids,
+    }
     dist = torch.distributed
     rank = dist.get_rank() if dist.is_initialized() else 0
     results["rank"], results["world_size"] = rank, dist.get_world_size() if dist.is_initialized() else 1

@@ -359,7 +359,8 @@ def test_resuming_an_adapter_checkpoint_without_the_plugin_is_refused(tmp_path) 
 
 @pytest.mark.multiprocess
 def test_two_processes_resume_adapter_runs_exactly(tmp_path) -> None:
-    """LoRA (mid-epoch, an epoch-end checkpoint) and 4-bit QLoRA, DDP on 2 processes: each rank's B + C is its A."""
+    """LoRA (mid-epoch, an epoch-end checkpoint) and 4-bit QLoRA, DDP on 2 processes: each rank's B + C is its A;
+    and the plugin's LoRA run equals, bitwise on each rank, the same run with the adapter written by hand."""
     ranks = torchrun("peft_fit.py", tmp_path, nproc=2, timeout=400)
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world_size"] == 2 for r in ranks)
     for name, spec in MP_SCENARIOS.items():
@@ -372,6 +373,12 @@ def test_two_processes_resume_adapter_runs_exactly(tmp_path) -> None:
                     raise AssertionError(f"{name} {stop}, rank {rank}: {exc}") from None
             assert recs[0]["c"]["params"] == recs[1]["c"]["params"], f"{name} {stop}: the ranks differ"
             assert not set(recs[0]["a_ids"][:2]) & set(recs[1]["a_ids"][:2]), f"{name}: not data-parallel"
+    for rank, result in enumerate(ranks):  # DDP: the plugin's run is bitwise the one with the adapter by hand
+        by_hand = result["by_hand"]
+        assert by_hand["plugin_ids"] == by_hand["hand_ids"], f"rank {rank}: other samples"
+        assert by_hand["plugin"] == by_hand["hand"], f"rank {rank}: the parameters or optimizer states differ"
+        assert by_hand["plugin_history"] == by_hand["hand_history"], f"rank {rank}: the logged values differ"
+    assert ranks[0]["by_hand"]["plugin"] == ranks[1]["by_hand"]["plugin"]
 
 
 # ------------------------------------------------------------------------------------------------- export
