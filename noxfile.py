@@ -140,8 +140,9 @@ def docs(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """The benchmark suite (bench/suite.py): step-time ratios to a hand-written Accelerate loop and to Lightning,
-    hook dispatch, start-up, activation and optimizer memory, compile speed; writes bench/results/latest.md and
-    latest.json. 6-9 minutes on the 2-core project machine; ``nox -s bench -- --quick`` is a fast check.
+    hook dispatch, start-up, activation and optimizer memory, compile speed, checkpoint I/O, tokens/s against the HF
+    Trainer and the adapter's step time; writes bench/results/latest.md and latest.json. 25-35 minutes on the
+    2-core project machine; ``nox -s bench -- --quick`` is a fast check.
 
     Lightning (Fabric and the Trainer, the peers compared against) is installed in this session only, pinned in
     bench/constraints.txt, with py-spy (the sampling profiler of bench/dispatch.py); the 8bit extra (bitsandbytes)

@@ -1,7 +1,8 @@
 """The benchmark suite that ``nox -s bench`` runs: every part in its own process, one Markdown table, one JSON file.
 
-    python bench/suite.py                    # everything (5-8 minutes on the 2-core project machine, and
-                                             # checkpoint_io 1.5-6 minutes more, with the machine's load)
+    python bench/suite.py                    # everything (5-8 minutes on the 2-core project machine, then
+                                             # checkpoint_io 1.5-6 minutes and the Trainer / adapter parts
+                                             # 15-25 minutes more, with the machine's load)
     python bench/suite.py --quick            # fewer rounds: a check that every part runs (noisier)
     python bench/suite.py --parts startup,w1 # some parts
     python bench/suite.py --out bench/results
@@ -22,6 +23,12 @@ Parts, in the order they run (see each script's docstring for its method):
 ``compile``             bench/compile_speed.py: compile time and steady-state step of the ``compile`` plugin
 ``checkpoint_io``       bench/checkpoint_io.py: checkpoint write MB/s vs a plain safetensors save, the stall of
                         a step that saves (synchronous vs ``async_save``), resume start-up at 10/50/90 % of an epoch
+``trainer_lm``          bench/trainer_throughput.py: real tokens/s of a causal-LM fine-tune, the HF Trainer vs
+                        torchloom on the same batches and with packing
+``trainer_cls``         bench/trainer_classification.py: real tokens/s of the main job's MiniLM fine-tune, the HF
+                        Trainer vs torchloom, on the same batches and each with length grouping
+``adapter_steps``       bench/adapter_steps.py: step time and peak memory of fine_foods.yaml vs fine_foods_lora.yaml
+                        (``--work chat`` on its own for the chat example's full / LoRA / QLoRA)
 ======================  ========================================================================================
 
 ``bench/diloco.py`` (2 processes, a few minutes) is not part of the suite: run it on its own.
@@ -61,6 +68,17 @@ PARTS: dict[str, tuple[str, list[str], list[str]]] = {
         "checkpoint_io.py",
         [],
         ["--rounds", "2", "--stall-rounds", "1", "--resume-rounds", "3", "--every", "10", "--samples", "20000"],
+    ),
+    "trainer_lm": ("trainer_throughput.py", ["--rounds", "3"], ["--rounds", "1", "--steps", "12", "--skip", "4"]),
+    "trainer_cls": (
+        "trainer_classification.py",
+        ["--rounds", "3"],
+        ["--rounds", "1", "--steps", "12", "--skip", "4", "--samples", "400"],
+    ),
+    "adapter_steps": (
+        "adapter_steps.py",
+        ["--work", "fine_foods", "--rounds", "3"],
+        ["--work", "fine_foods", "--rounds", "1", "--steps", "3"],
     ),
 }
 JSON_PARTS = {"startup", "w1", "dispatch", "w2", "activation_memory", "optimizer_memory", "checkpoint_io"}
@@ -239,6 +257,9 @@ def report(meta: dict[str, Any], parts: dict[str, Any]) -> str:
         "optimizer_memory": "Optimizer state",
         "compile": "Compile speed (bench/compile_speed.py)",
         "checkpoint_io": "Checkpoint saves and resumes (bench/checkpoint_io.py, issue 27 item 5)",
+        "trainer_lm": "Causal-LM fine-tune against the HF Trainer, real tokens/s (bench/trainer_throughput.py)",
+        "trainer_cls": "The main job against the HF Trainer, real tokens/s (bench/trainer_classification.py)",
+        "adapter_steps": "The main job with and without LoRA: step time, peak memory (bench/adapter_steps.py)",
     }
     import activation_memory
     import checkpoint_io
