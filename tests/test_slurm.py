@@ -13,6 +13,7 @@ a stand-in ``scontrol`` that records its calls.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -178,6 +179,12 @@ def test_a_real_slurm_job_preempted_with_sigterm_is_requeued_and_resumes_bitwise
     _wait("the job to be requeued", lambda: slurm.job(job_id).get("Restarts") == "1")
     # A requeued job waits about 2 minutes (its BeginTime) before SLURM starts it again: the test does not.
     _wait("the requeued job to be pending", lambda: slurm.job(job_id).get("JobState") == "PENDING")
+    # The kill of the first start revoked the job's credential, and slurmd refuses a credential made in the same
+    # second as that revocation ("Job N already killed, do not launch batch job": its times are whole seconds). The
+    # job is pending, so the revocation is behind us: release it once a whole second has passed after this one.
+    pending_at = time.time()
+    while time.time() < math.floor(pending_at) + 2:
+        time.sleep(0.05)
     released = slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     assert released.returncode == 0, released.stderr
     _wait("the job to complete", lambda: slurm.job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"))
