@@ -8,11 +8,14 @@ Method card
 - **Resumed fits:** a fit resumed from a checkpoint first writes the values the runs it continues logged up to
   the checkpoint (``on_fit_start``'s ``resumed``: the records its ``metrics.jsonl`` carries over), each at its
   own step, so the new run's tracker log holds the whole curve, as its ``metrics.jsonl`` does.
+- **Continued runs:** a resumed fit continues the W&B and MLflow runs of the fit it resumes (their ids are recorded
+  in ``<run_dir>/trackers.json``), and sends them nothing they already hold: `torchloom_plugins._tracker_runs`.
 - **Mechanism:** ``Accelerator(log_with=[...])`` (the ``configure_accelerator`` fragment; fragments from several
   plugins are concatenated), ``accelerator.init_trackers(project_name, config=hparams, init_kwargs=...)`` in
-  ``on_run_start``, ``accelerator.log(metrics, step=...)`` in ``on_fit_start`` (the carried-over values of a resumed
-  fit) and ``on_log``, and each started tracker's ``finish()``
-  in ``teardown``, which also runs after a failed run.
+  ``on_run_start`` (``validate``) or ``on_fit_start`` (``fit``: the first hook that knows what it resumes), each
+  started tracker's ``log(metrics, step=...)`` in ``on_fit_start`` (the carried-over values of a resumed fit, to
+  the trackers that start fresh) and ``on_log``, and each started tracker's ``finish()`` in ``teardown``, which
+  also runs after a failed run.
 - **Where:** the engine points ``accelerator.logging_dir`` at the run directory, so TensorBoard writes
   ``<run_dir>/<project_name>/events.out.tfevents.*`` and Aim its repository in ``<run_dir>``. Trackers that log to a
   service start offline, writing inside the run directory, unless the user chose otherwise (`tracker_init_kwargs`).
@@ -45,6 +48,7 @@ from typing import Any
 from accelerate import utils as accelerate_utils
 
 import torchloom
+from torchloom_plugins._tracker_runs import Continued, continue_kwargs, read_runs, run_ids, write_runs
 
 __all__ = ["TRACKERS", "Trackers", "TrackersConfig", "flatten_config", "tracker_init_kwargs"]
 
@@ -143,6 +147,12 @@ class Trackers(torchloom.Plugin):
         self._accelerator: Any = None  # the Accelerator whose trackers this plugin started (main process)
         self._first = 0  # index of the first of them in accelerator.trackers
         self._off = False  # a fast_dev_run (the engine's is_fast_dev_run, at setup): no tracker starts
+        self._fit: tuple[Any, str, Mapping[str, Any]] | None = None  # a fit's start, made in on_fit_start
+        self._run_dir: str | None = None  # where trackers.json goes (a fit's run directory)
+        self._runs: dict[str, dict[str, Any]] = {}  # the continuable tracker runs started (_tracker_runs.run_ids)
+        self._continued: dict[str, Continued] = {}  # tracker name -> the earlier run it continues
+        self._resumed_step = 0  # the step of the checkpoint a resumed fit continues
+        self._last_step: int | None = None  # the highest step logged
 
     @torchloom.hookimpl
     def setup(self, config) -> None:
@@ -156,41 +166,81 @@ class Trackers(torchloom.Plugin):
     def on_run_start(self, accelerator, stage: str, run_dir: str, run_config: Mapping[str, Any]) -> None:
         if self._off or stage not in STAGES or not accelerator.is_main_process:
             return
-        environ = os.environ
-        init_kwargs = tracker_init_kwargs(self.config.log_with, self.config.init_kwargs, run_dir, environ)
-        _offline_process_defaults(self.config.log_with, run_dir, environ)
-        # Recorded before the start, so that teardown finishes what a start that fails half-way did open.
-        self._accelerator, self._first = accelerator, len(accelerator.trackers)
-        accelerator.init_trackers(self.config.project_name, config=flatten_config(run_config), init_kwargs=init_kwargs)
+        if stage == "fit":  # started in on_fit_start, which knows whether the fit continues earlier runs
+            self._fit = (accelerator, run_dir, run_config)
+            return
+        self._start(accelerator, run_dir, run_config, {})
 
     @torchloom.hookimpl
     def on_fit_start(self, accelerator, resumed) -> None:
-        if self._accelerator is None or resumed is None:  # not started here, or a fit from scratch
+        if self._fit is None:  # not the main process, a fast_dev_run, or started already
+            return
+        fit, self._fit = self._fit, None
+        earlier = resumed.chain[-1]["run_dir"] if resumed is not None and resumed.chain else None
+        self._start(*fit, read_runs(earlier, os.environ))
+        self._run_dir, self._resumed_step = fit[1], resumed.global_step if resumed is not None else 0
+        self._runs = run_ids(accelerator.trackers[self._first :])
+        if self._runs:  # named at once, so that a run killed before its teardown can be continued too
+            write_runs(self._run_dir, self._runs, None)
+        if resumed is None:
             return
         for step, _, values in resumed.logged():  # the earlier runs' values, up to the checkpoint, at their steps
-            if values:
-                accelerator.log(values, step=step)
+            if values:  # to the trackers that start fresh; a continued run holds them already
+                self._log(values, step, fresh_only=True)
 
     @torchloom.hookimpl
     def on_log(self, metrics: dict[str, float], progress, accelerator) -> None:
         if self._accelerator is not None:  # started: main process, fit or validate
-            accelerator.log(metrics, step=progress.global_step)
+            self._log(metrics, progress.global_step, fresh_only=False)
 
     @torchloom.hookimpl
     def teardown(self) -> None:
-        accelerator, self._accelerator = self._accelerator, None
+        accelerator, self._accelerator, self._fit = self._accelerator, None, None
         if accelerator is None:
             return
         started = accelerator.trackers[self._first :]
         del accelerator.trackers[self._first :]  # a validate that reuses this Accelerator starts its own
         error: Exception | None = None
+        if self._runs and self._run_dir is not None:  # the highest step, for the fit that resumes this one
+            steps = [s for s in (self._last_step, *(r.last_step for r in self._continued.values())) if s is not None]
+            try:
+                write_runs(self._run_dir, self._runs, max(steps, default=self._resumed_step))
+            except Exception as exc:
+                error = exc
         for tracker in started:  # every one is finished (its files closed) even if another fails
             try:
                 tracker.finish()
             except Exception as exc:
                 error = error or exc
+        self._runs, self._continued, self._run_dir, self._last_step = {}, {}, None, None
         if error is not None:
             raise error
+
+    def _start(
+        self, accelerator: Any, run_dir: str, run_config: Mapping[str, Any], continued: Mapping[str, Continued]
+    ) -> None:
+        """``accelerator.init_trackers`` with the offline defaults, continuing the runs of ``continued``."""
+        environ = os.environ
+        init_kwargs = tracker_init_kwargs(self.config.log_with, self.config.init_kwargs, run_dir, environ)
+        continued = {name: run for name, run in continued.items() if name in self.config.log_with}
+        names = continue_kwargs(init_kwargs, continued)
+        self._continued = {name: continued[name] for name in names}
+        mlflow = self._continued.get("mlflow")
+        _offline_process_defaults(self.config.log_with, run_dir, environ, mlflow.tracking_uri if mlflow else None)
+        # Recorded before the start, so that teardown finishes what a start that fails half-way did open.
+        self._accelerator, self._first = accelerator, len(accelerator.trackers)
+        accelerator.init_trackers(self.config.project_name, config=flatten_config(run_config), init_kwargs=init_kwargs)
+
+    def _log(self, values: Mapping[str, float], step: int, fresh_only: bool) -> None:
+        """Log ``values`` at ``step`` to the trackers started here (as ``accelerator.log`` does, main process); a
+        continued run gets only what it does not hold (`Continued.holds`), nothing with ``fresh_only``."""
+        if not fresh_only:
+            self._last_step = step if self._last_step is None else max(self._last_step, step)
+        for tracker in self._accelerator.trackers[self._first :]:
+            run = self._continued.get(tracker.name)
+            if run is not None and (fresh_only or run.holds(step, self._resumed_step)):
+                continue
+            tracker.log(dict(values), step=step)
 
 
 def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:
@@ -262,16 +312,24 @@ def tracker_init_kwargs(
     return {name: given for name, given in kwargs.items() if given}
 
 
-def _offline_process_defaults(log_with: list[str], run_dir: str, environ: Mapping[str, str]) -> None:
+def _offline_process_defaults(
+    log_with: list[str], run_dir: str, environ: Mapping[str, str], mlflow_uri: str | None = None
+) -> None:
     """Offline defaults that are process settings, not start arguments (main process, before the start).
 
-    - ``mlflow``: the tracking URI ``file://<run_dir>/mlruns``, unless ``MLFLOW_TRACKING_URI`` is set;
+    - ``mlflow``: unless ``MLFLOW_TRACKING_URI`` is set, the tracking URI ``mlflow_uri`` (the store of the run a
+      resumed fit continues), else ``file://<run_dir>/mlruns``: MLflow's file store, which MLflow 3 keeps in
+      maintenance mode behind ``MLFLOW_ALLOW_FILE_STORE=true`` (set here unless set; it works with
+      ``mlflow-skinny`` too, which has no database driver);
     - ``clearml``: ``Task.set_offline(True)``, unless ``CLEARML_OFFLINE_MODE`` is set.
     """
     if "mlflow" in log_with and "MLFLOW_TRACKING_URI" not in environ:
         import mlflow
 
-        mlflow.set_tracking_uri(Path(run_dir, "mlruns").resolve().as_uri())
+        uri = mlflow_uri or Path(run_dir, "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        mlflow.set_tracking_uri(uri)
     if "clearml" in log_with and "CLEARML_OFFLINE_MODE" not in environ:
         from clearml import Task
 
