@@ -7,6 +7,7 @@ manifest is refused, with one line naming it."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -75,8 +76,6 @@ def test_export_writes_the_checkpoints_weights_as_safetensors_with_the_model_car
 
 
 def test_export_refuses_a_checkpoint_that_does_not_verify_and_bad_paths_in_one_line(project, tmp_path) -> None:
-    import shutil
-
     checkpoint = tmp_path / "version_0" / "checkpoints" / "step-00000004"
     shutil.copytree(project / "runs" / "version_0" / "checkpoints" / "step-00000004", checkpoint)
     shutil.copy(project / "runs" / "version_0" / "config.yaml", tmp_path / "version_0" / "config.yaml")
@@ -120,3 +119,65 @@ def test_an_adapter_checkpoint_exports_the_adapter_and_with_merge_the_merged_tra
     with pytest.raises(torchloom.CheckpointError, match="the checkpoint holds an adapter"):
         torchloom.Engine(output_dir=str(tmp_path / "runs")).export(LoraTask(), checkpoint, tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+class _Watching(torchloom.Plugin):
+    """Records what ``setup`` and ``configure_model`` of an export are given."""
+
+    name = "watching"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    @torchloom.hookimpl
+    def setup(self, config, stage) -> None:
+        self.seen.append(("setup", config.max_epochs, stage))
+
+    @torchloom.hookimpl
+    def configure_model(self, model, task) -> None:
+        self.seen.append(("configure_model", type(task).__name__))
+
+    @torchloom.hookimpl
+    def teardown(self, accelerator, stage) -> None:
+        self.seen.append(("teardown", accelerator is not None, stage))
+
+
+def test_engine_export_into_an_empty_folder_with_the_runs_config_and_the_plugins_told_it_is_predict(
+    project, tmp_path
+) -> None:
+    """`Engine.export` in this process: an existing empty OUT is written, the model card's config is the checkpoint
+    run's ``config.yaml`` (not the exporting engine's), and the plugins' ``setup`` sees the engine's config and
+    the ``predict`` stage, their ``configure_model`` the task, their ``teardown`` the accelerator and the stage."""
+    from torchloom.testing import TinyTask
+
+    last = list_checkpoints(project / "runs" / "version_0")[-1]
+    watching = _Watching()
+    (tmp_path / "out").mkdir()
+    engine = torchloom.Engine(max_epochs=3, output_dir=str(tmp_path / "runs"), plugins=[watching])
+    out = engine.export(TinyTask(), last, tmp_path / "out")
+    assert out == str(tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "torchloom_model.json"]
+    card = json.loads((tmp_path / "out" / "torchloom_model.json").read_text())
+    assert card["config"]["task"]["class_path"] == "regression.Regression"
+    manifest = json.loads((Path(last) / "manifest.json").read_text())
+    assert manifest["metrics"] and card["metrics"] == manifest["metrics"] and card["epoch"] == manifest["epoch"] == 1
+    assert watching.seen == [("setup", 3, "predict"), ("configure_model", "TinyTask"), ("teardown", True, "predict")]
+    # A checkpoint away from its run directory (no config.yaml two levels up): the engine's run_config.
+    alone = tmp_path / "copied" / "step"
+    shutil.copytree(last, alone)
+    engine.export(TinyTask(), alone, tmp_path / "out2")
+    assert json.loads((tmp_path / "out2" / "torchloom_model.json").read_text())["config"] == engine.run_config
+
+
+def test_engine_export_refuses_a_missing_checkpoint_or_a_folder_without_a_manifest_naming_it(project, tmp_path):
+    from torchloom.testing import TinyTask
+
+    engine = torchloom.Engine(output_dir=str(tmp_path / "runs"))
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(torchloom.ConfigError, match=f"export: checkpoint '{missing}': no such file or directory"):
+        engine.export(TinyTask(), missing, tmp_path / "out")
+    run_dir = str(project / "runs" / "version_0")
+    with pytest.raises(torchloom.CheckpointError, match=f"export: '{run_dir}' is not a checkpoint: it has no manifest"):
+        engine.export(TinyTask(), run_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -55,8 +55,33 @@ def test_a_replica_of_another_model_is_refused(tmp_path) -> None:
     accelerator = Accelerator(cpu=True)
     saved = replica_state(accelerator, *_trained(0))
     other = torch.nn.Linear(3, 1)
-    with pytest.raises(torchloom.CheckpointError, match=r"replica\.safetensors holds other parameters"):
+    refused = r"process_0/replica\.safetensors holds other parameters than this model's trainable ones; refused$"
+    with pytest.raises(torchloom.CheckpointError, match=refused):
         load_replica(saved, accelerator, other, torch.optim.SGD(other.parameters(), lr=0.1), load_optimizer=True)
+
+
+def test_the_fp16_loss_scaler_is_kept_and_loaded_only_where_the_run_has_one(tmp_path) -> None:
+    """An fp16 run's scaler (its scale and growth tracker differ between the processes too) is saved and put back;
+    a resume without a scaler (bf16, fp32) ignores a saved one, and a saved ``None`` leaves the scaler as it is."""
+    accelerator = Accelerator(cpu=True)
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    source, source_opt = _trained(0)
+    saved = _round_trip(replica_state(accelerator, source, source_opt), tmp_path)
+    assert saved["scaler"]["scale"] == 1024.0 and saved["scaler"]["growth_interval"] == 7
+
+    resumed = Accelerator(cpu=True)
+    resumed.scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    model, optimizer = _trained(1)
+    load_replica(saved, resumed, model, optimizer, load_optimizer=True)
+    assert resumed.scaler.get_scale() == 1024.0 and resumed.scaler.get_growth_interval() == 7
+
+    load_replica({**saved, "scaler": None}, resumed, model, optimizer, load_optimizer=True)
+    assert resumed.scaler.get_scale() == 1024.0
+
+    without = Accelerator(cpu=True)
+    assert without.scaler is None
+    load_replica(saved, without, model, optimizer, load_optimizer=True)  # no scaler to load into: not an error
+    assert without.scaler is None and torch.equal(model[0].weight, source[0].weight)
 
 
 def test_only_a_plugin_that_declares_it_asks_for_replicas() -> None:

@@ -24,7 +24,7 @@ from torchrun_util import MP_DIR
 
 sys.path.insert(0, str(MP_DIR))
 
-from resume_fit import Crash, Run, ShuffleTask, fit
+from resume_fit import DiesAt, Run, ShuffleTask, fit
 
 CARRIED_OVER = "carried_over_from"  # the mark of a carried-over record (docs/runs.md)
 
@@ -39,20 +39,6 @@ def _unmarked(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _summary(run: Run) -> dict[str, Any]:
     return json.loads((Path(run.engine.run_dir) / torchloom.SUMMARY_FILE).read_text())
-
-
-class DiesAt:
-    """Kills the fit (`Crash`) at the end of optimizer step ``step``."""
-
-    name = "test.dies_at"
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    @torchloom.hookimpl
-    def on_train_step_end(self, progress: Any) -> None:
-        if progress.global_step == self.step:
-            raise Crash
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,18 @@ steps 1, 3, 4, 6 and 8); only the end-of-epoch checkpoint was exact.
 
 from __future__ import annotations
 
+import random
 import sys
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, IterableDataset
 
+from torchloom._fetch_states import Watch, resume_source
+from torchloom._random_states import random_states
 from torchrun_util import MP_DIR
 
 sys.path.insert(0, str(MP_DIR))
@@ -78,3 +83,64 @@ def test_a_loader_with_a_worker_process_still_resumes_exactly(tmp_path) -> None:
     a = fit(WorkerTask, tmp_path / "a", max_epochs=1)
     b, c = stop_and_resume(WorkerTask, tmp_path / "bc", save_at=[3], max_epochs=1)
     assert_resumed_exactly(a, b, c)
+
+
+def _reseed_numpy() -> None:
+    np.random.seed(7)  # numpy's position as after seed(3), its keys not
+
+
+#: what the loader's first call draws from
+DRAWS = {"none": lambda: None, "python": random.random, "numpy": np.random.random, "numpy_reseeded": _reseed_numpy}
+
+
+@pytest.mark.parametrize("draw", list(DRAWS))
+def test_the_watch_keeps_python_s_and_numpy_s_states_only_once_the_loader_s_first_call_moved_them(draw) -> None:
+    """`Watch` alone: torch's state always; Python's and numpy's from the epoch's first call on only where that call
+    drew from them (numpy reseeded: the same position, other keys); a resumed epoch's `continued` takes the parts
+    its checkpoint kept, and what it keeps is never "before the loader started" (``first``)."""
+    assert Watch().state_dict() is None  # nothing watched yet: a checkpoint keeps no look-ahead states
+    unstarted = Watch()
+    unstarted.after_first()  # no before_first: nothing to compare
+    assert not unstarted.full
+
+    np.random.seed(3)
+    watch = Watch()
+    watch.before_first()
+    assert watch.state_dict()["first"] is True and sorted(watch.state_dict()["states"]) == ["numpy", "python", "torch"]
+    DRAWS[draw]()
+    watch.after_first()
+    assert watch.full is (draw != "none")
+    watch.before_next()
+    kept = ["numpy", "python", "torch"] if draw != "none" else ["torch"]
+    assert watch.state_dict()["first"] is False and sorted(watch.state_dict()["states"]) == kept
+
+    resumed = Watch(full=draw != "none")
+    resumed.continued(random_states())
+    assert resumed.state_dict()["first"] is False and sorted(resumed.state_dict()["states"]) == kept
+
+
+@pytest.mark.parametrize("skip", [1, 3])
+def test_a_resume_without_look_ahead_states_skips_the_trained_batches_by_index(skip) -> None:
+    """A checkpoint that kept no look-ahead states (``fetch_random_states`` missing or None, as one saved before
+    the first batch of a resumed epoch): the loader skips ``skip`` batches, none is fetched again, nothing restores."""
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(list(range(10)), batch_size=2))
+    source, again, restoring = resume_source(accelerator, loader, skip, None, random_states())
+    assert again == 0 and restoring is None
+    assert [batch.tolist() for batch in source] == [[2 * i, 2 * i + 1] for i in range(skip, 5)]
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_a_loader_that_cannot_skip_by_index_skips_without_fetching_a_batch_again() -> None:
+    """An iterable dataset (no batch sampler to wrap): the look-ahead states cannot be restored batch by batch, and
+    the batches after the skipped ones are all trained (none is taken for one fetched again)."""
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(_Stream(), batch_size=2))
+    fetch = {"states": {"torch": torch.get_rng_state()}, "first": False}
+    source, again, restoring = resume_source(accelerator, loader, 2, fetch, random_states())
+    assert again == 0 and restoring is None
+    assert [batch.tolist() for batch in source] == [[4, 5], [6, 7], [8, 9]]

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import copy
 import io
-import os
 import shutil
 import threading
-from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +35,8 @@ from accelerate.utils import DistributedType, broadcast_object_list
 
 from torchloom import _atomic as atomic
 from torchloom._adapter import TrainableOnly
-from torchloom._atomic import temporary_path
-from torchloom._random_states import random_states
-from torchloom.checkpoint import (
-    _ACCELERATE_RANDOM_STATES,
-    MANIFEST,
-    _fsync_dir,
-    _Named,
-    _no_load,
-    _sha256,
-    manifest_base,
-    publish,
-)
+from torchloom._manifest import MANIFEST, _fsync_dir, hash_and_sync, publish
+from torchloom.checkpoint import _ACCELERATE_RANDOM_STATES, SaveRequest, claim_directory, without_zip_crc32
 from torchloom.errors import CheckpointError, RunFileError
 from torchloom.state import encode_plugin_state, write_plugin_state
 
@@ -205,43 +193,25 @@ def check_supported(accelerator: Any) -> None:
         )
 
 
-def start_async_save(
-    directory: str,
-    *,
-    accelerator: Any,
-    model: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    plugins: Iterable[Any],
-    engine_state: dict[str, Any],
-    metrics: Mapping[str, float],
-    agreement: Any,
-    process_state: dict[str, Any] | None = None,
-    training: Mapping[str, Any] | None = None,
-) -> PendingCheckpoint:
-    """Copy the state of a checkpoint into host memory and start writing it in a thread (every process, at the
-    same point, as `torchloom.checkpoint.write_checkpoint`, whose arguments these are); return at once.
+def start_async_save(directory: str, request: SaveRequest) -> PendingCheckpoint:
+    """Copy the state of a checkpoint of ``request`` into host memory and start writing it in a thread (every
+    process, at the same point, as `torchloom.checkpoint.write_checkpoint`, whose arguments these are); return at
+    once.
 
     Raises:
         CheckpointError: ``directory`` exists; the run's model cannot be saved this way (`check_supported`).
         PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
     """
+    accelerator = request.accelerator
     check_supported(accelerator)
-    final = Path(directory)
-    message: list[Any] = [None, os.getpid()]
-    if accelerator.is_main_process and final.exists():
-        message[0] = f"checkpoint directory {str(final)!r} already exists; checkpoints are never overwritten"
-    if accelerator.num_processes > 1:
-        broadcast_object_list(message)  # every process writes into the main process's temporary directory
-    if message[0] is not None:
-        raise CheckpointError(message[0])
-    writer = _Writer(temporary_path(final, pid=message[1]), accelerator, agreement)
+    final, tmp = claim_directory(directory, accelerator)
+    writer = _Writer(tmp, accelerator, request.agreement)
     main = writer.main
     (writer.tmp / "accelerate").mkdir(parents=True, exist_ok=True)
     try:
-        writer.parts = snapshot(writer, accelerator, plugins, scheduler, engine_state, process_state)
+        writer.parts = snapshot(writer, request)
         if main:
-            writer.base = manifest_base(accelerator, model, optimizer, engine_state, metrics, training)
+            writer.base = request.manifest_base()
     except BaseException:
         if main:
             shutil.rmtree(writer.tmp, ignore_errors=True)
@@ -250,15 +220,9 @@ def start_async_save(
     return PendingCheckpoint(str(final), writer)
 
 
-def snapshot(
-    writer: _Writer,
-    accelerator: Any,
-    plugins: Iterable[Any],
-    scheduler: Any,
-    engine_state: dict[str, Any],
-    process_state: dict[str, Any] | None,
-) -> dict[str, Any]:
+def snapshot(writer: _Writer, request: SaveRequest) -> dict[str, Any]:
     """The host copies of everything this process's part of the checkpoint holds (main thread)."""
+    accelerator = request.accelerator
     # The processes that Accelerate's `save` writes on: the main one (each node's with save_on_each_node)
     shared = accelerator.is_local_main_process if writer.save_on_each_node else accelerator.is_main_process
     weights = [accelerator.get_state_dict(m, unwrap=False) for m in accelerator._models]
@@ -279,13 +243,10 @@ def snapshot(
         "step": accelerator.step,
     }
     main = writer.main
-    own = [_Named("engine", lambda: engine_state, _no_load)]
-    if scheduler is not None:
-        own.append(_Named("lr_scheduler", scheduler.state_dict, _no_load))
-    mine = {**(process_state or {}), "random_states": random_states()}  # what save_state would pickle
-    parts["plugins"] = encode_plugin_state(plugins, is_main_process=main, own=True)
+    own, mine = request.engine_parts(), request.process_part()
+    parts["plugins"] = encode_plugin_state(request.plugins, is_main_process=main, own=True)
     parts["engine"] = encode_plugin_state(own, is_main_process=main, own=True)
-    parts["process"] = encode_plugin_state([_Named("process", lambda: mine, _no_load)], own=True)
+    parts["process"] = encode_plugin_state([mine], own=True)
     return parts
 
 
@@ -352,18 +313,19 @@ def write_parts(writer: _Writer) -> None:
 
     parts, tmp = writer.parts, writer.tmp
     scaler = None if parts["scaler"] is None else _Frozen(parts["scaler"])
-    save_accelerator_state(
-        str(tmp / "accelerate"),
-        parts["weights"],
-        [_Frozen(state) for state in parts["optimizers"]],
-        [_Frozen(state) for state in parts["schedulers"]],
-        [],
-        writer.process_index,
-        parts["step"],
-        scaler,
-        save_on_each_node=writer.save_on_each_node,
-        safe_serialization=True,
-    )
+    with without_zip_crc32():  # the manifest's SHA-256 covers every file (checkpoint.without_zip_crc32)
+        save_accelerator_state(
+            str(tmp / "accelerate"),
+            parts["weights"],
+            [_Frozen(state) for state in parts["optimizers"]],
+            [_Frozen(state) for state in parts["schedulers"]],
+            [],
+            writer.process_index,
+            parts["step"],
+            scaler,
+            save_on_each_node=writer.save_on_each_node,
+            safe_serialization=True,
+        )
     (tmp / "accelerate" / _ACCELERATE_RANDOM_STATES.format(writer.process_index)).unlink(missing_ok=True)
     for name, data in parts["loaders"]:
         atomic.write_atomically(tmp / "accelerate" / name, data)
@@ -378,10 +340,8 @@ def write_parts(writer: _Writer) -> None:
             p for p in (tmp / "accelerate").glob("*") if p.name.startswith(_MAIN_ONLY) or writer.num_processes == 1
         ]
         mine += [p for folder in ("plugins", "engine") for p in (tmp / folder).glob("*") if p.is_file()]
-    for path in mine:
-        with path.open("rb") as file:
-            os.fsync(file.fileno())
-        writer.known[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    for path, entry in hash_and_sync(mine).items():
+        writer.known[path.relative_to(tmp).as_posix()] = entry
     for folder in {p.parent for p in mine}:
         _fsync_dir(folder)
     assert MANIFEST not in writer.known

@@ -33,7 +33,7 @@ from torchloom._runfiles import finish_fit
 from torchloom._schedule import after_epoch, after_validation
 from torchloom._setup import log_data_values, sanity_check
 from torchloom._warn import warn
-from torchloom.checkpoint import load_checkpoint, write_checkpoint
+from torchloom.checkpoint import SaveRequest, load_checkpoint, write_checkpoint
 from torchloom.errors import ConfigError, RunFileError
 from torchloom.step import StepHooks
 
@@ -410,8 +410,7 @@ class FitLoop:
             else dict(state.epoch_generators)
         )
         self.settle_save()
-        path = (start_async_save if asynchronous else write_checkpoint)(
-            directory,
+        request = SaveRequest(
             accelerator=run.accelerator,
             model=run.model,
             optimizer=run.optimizer,
@@ -428,6 +427,7 @@ class FitLoop:
                 "log_buffer": self.logs.train.state_dict(),
             },
         )
+        path = (start_async_save if asynchronous else write_checkpoint)(directory, request)
         if isinstance(path, PendingCheckpoint):
             self._in_flight = path
             self._last_saved = (state.global_step, path.path)

@@ -236,6 +236,20 @@ class Probe:
             raise Crash
 
 
+class DiesAt:
+    """Kills the fit (`Crash`) at the end of optimizer step ``step``."""
+
+    name = "test.dies_at"
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @torchloom.hookimpl
+    def on_train_step_end(self, progress: Any) -> None:
+        if progress.global_step == self.step:
+            raise Crash
+
+
 # ---------------------------------------------------------------------------------------------- running
 
 
@@ -438,9 +452,9 @@ def run_mp_scenarios(out: Path, names: Sequence[str]) -> dict[str, Any]:
 
 def pause_save(out: Path) -> None:
     """Save at step 2 (complete), then pause inside the save of step 4, right before its rename."""
-    from torchloom import checkpoint
+    from torchloom import _manifest
 
-    original = checkpoint._fsync_tree
+    original = _manifest._fsync_tree
 
     def paused(root: Path) -> None:
         original(root)
@@ -448,7 +462,7 @@ def pause_save(out: Path) -> None:
             (out / "paused").write_text(str(root))
             time.sleep(600)
 
-    checkpoint._fsync_tree = paused
+    _manifest._fsync_tree = paused
     fit(ShuffleTask, out / "run", save_at=[2, 4], crash=False)
 
 

@@ -87,6 +87,7 @@ def test_a_resume_on_another_number_of_processes_is_refused_naming_both(ranks, t
     checkpoint = ranks[0]["lsgd_k2"][0]["checkpoint"]
     with pytest.raises(
         torchloom.CheckpointError,
-        match=r"written by 2 process\(es\) and this run has 1: .*with LocalSGD its own parameters and optimizer states",
+        match=r"written by 2 process\(es\) and this run has 1, and each process saved its own parameters and optimizer "
+        r"state \(process_0, process_1: .*LocalSGD or DiLoCo between two averages\)",
     ):
         fit(lambda: ShuffleTask(n=16), tmp_path, [{"local_sgd": {"sync_every": 2}}], ckpt_path=checkpoint)

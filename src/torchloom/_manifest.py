@@ -1,0 +1,232 @@
+"""A checkpoint's manifest (``manifest.json``): written last, with every file's size and SHA-256, as the step that
+publishes the checkpoint with one ``os.rename`` (`publish`, `manifest_base`, `file_entries`); read and checked
+before anything of a checkpoint is loaded (`read_manifest`, `verify_files`). What a checkpoint holds and how it is
+written and loaded is `torchloom.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchloom import _atomic as atomic
+from torchloom._adapter import describe
+from torchloom._strict_json import json_dumps
+from torchloom.errors import CheckpointError
+
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "file_entries", "manifest_base", "publish", "read_manifest", "verify_files"]
+
+#: Version 2: the data position in samples of the global order with what defines that order, and the random
+#: states in the process's engine state (no pickle).
+FORMAT, VERSION = "torchloom.checkpoint", 2
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 20
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+
+def publish(tmp: Path, final: Path, base: dict[str, Any], known: Mapping[str, Any] | None = None) -> str | None:
+    """Make the complete temporary directory ``tmp`` the checkpoint ``final`` (the main process, once every
+    process's files are written): the manifest (``base``, `manifest_base`, with every file's size and SHA-256:
+    those in ``known`` as given, the others computed), written last, everything synced, then one ``os.rename``.
+    Return why a write failed (`atomic.write_failure`), ``None`` once the checkpoint exists."""
+    try:
+        manifest = {**base, "files": file_entries(tmp, known), "plugins": _plugin_names(tmp)}
+        (tmp / MANIFEST).write_text(json_dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        _fsync_tree(tmp)
+        os.rename(tmp, final)  # the only step that makes it visible: all of it, or nothing
+        _fsync_dir(final.parent)
+    except Exception as exc:
+        failure = atomic.write_failure(exc, tmp)
+        if failure is None:
+            raise
+        return failure
+    return None
+
+
+def file_entries(root: Path, known: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every file under ``root`` (relative, POSIX) with its size and SHA-256, as a manifest lists them; those in
+    ``known`` (already hashed by their writer) are taken from it, the others hashed and synced (`hash_and_sync`)."""
+    paths = {
+        name: path
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and (name := path.relative_to(root).as_posix()) != MANIFEST
+    }
+    hashed = hash_and_sync([path for name, path in paths.items() if not (known or {}).get(name)])
+    return {name: (known or {}).get(name) or hashed[path] for name, path in paths.items()}
+
+
+def hash_and_sync(paths: Iterable[Path]) -> dict[Path, dict[str, Any]]:
+    """``{"bytes", "sha256"}`` of each file of ``paths``, each also ``fsync``-ed: in threads, one per CPU, the largest
+    files first (`hashlib` and ``os.fsync`` release the GIL, so a checkpoint's model and optimizer files are hashed
+    at once, each while the disk takes the other's data). Reads what the writer just wrote, from the page cache."""
+    ordered = sorted(paths, key=lambda p: p.stat().st_size, reverse=True)
+    if len(ordered) <= 1:
+        return {path: _hash_and_sync(path) for path in ordered}
+    with ThreadPoolExecutor(max_workers=min(len(ordered), os.cpu_count() or 1)) as pool:
+        return dict(zip(ordered, pool.map(_hash_and_sync, ordered)))
+
+
+def _hash_and_sync(path: Path) -> dict[str, Any]:
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        os.fsync(file.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _plugin_names(root: Path) -> list[str]:
+    return sorted(p.stem for p in (root / "plugins").glob("*.json")) if (root / "plugins").is_dir() else []
+
+
+def manifest_base(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    engine_state: dict[str, Any],
+    metrics: Mapping[str, float],
+    training: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The manifest of a checkpoint of this state, but its ``files`` and ``plugins`` (`publish` adds them)."""
+    from torchloom._version import __version__
+
+    unwrapped = accelerator.unwrap_model(model)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "torchloom_version": __version__,
+        "global_step": engine_state["global_step"],
+        "epoch": engine_state["position"]["epoch"],
+        "position": engine_state["position"],
+        "world_size": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type),
+        "mixed_precision": str(accelerator.mixed_precision),
+        "model": {
+            "class": f"{type(unwrapped).__module__}.{type(unwrapped).__qualname__}",
+            "parameters": {name: list(p.shape) for name, p in unwrapped.named_parameters()},
+            "trainable_parameters": sum(p.numel() for p in unwrapped.parameters() if p.requires_grad),
+        },
+        "adapter": describe(unwrapped),
+        "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
+        "metrics": {k: v for k, v in metrics.items()},
+        "training": dict(training or {}),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check the ``manifest.json`` of a checkpoint directory.
+
+    Raises:
+        CheckpointError: no manifest (not a checkpoint, or an incomplete one), or one of another format or version.
+    """
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{str(directory)!r} is not a complete torchloom checkpoint: it has no {MANIFEST}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {str(path)!r}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{str(path)!r} is not a torchloom checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        from torchloom._version import __version__
+
+        raise CheckpointError(
+            f"{str(path)!r} is checkpoint format version {manifest.get('version')!r}; this torchloom "
+            f"({__version__}) reads version {VERSION}"
+        )
+    return manifest
+
+
+def verify_files(directory: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
+    """Check that ``directory`` holds exactly the files its manifest lists, each of the listed size and SHA-256.
+
+    Symbolic links are followed (a checkpoint copied with ``cp -rs``, or with linked folders, is read through
+    them): what they point to is what is checked.
+
+    Raises:
+        CheckpointError: a file is missing (or a link to nothing), was added (a planted pickle, say) or changed
+            since it was written.
+    """
+    root = Path(directory)
+    listed = manifest.get("files") or {}
+    present = set(_files(root)) - {MANIFEST}
+    extra = sorted(present - set(listed))
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} holds files its manifest does not list: {', '.join(extra)}; refused (a "
+            "checkpoint is loaded only as written)"
+        )
+    for name, entry in listed.items():
+        path = root / name
+        if not path.is_file():
+            what = (
+                f"{name} is a symbolic link to {os.readlink(path)!r}, which does not exist"
+                if path.is_symlink()
+                else f"{name} is missing"
+            )
+            raise CheckpointError(f"checkpoint {str(root)!r} is incomplete: {what}")
+        if path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
+            raise CheckpointError(
+                f"checkpoint {str(root)!r}: {name} changed since the checkpoint was written (size or SHA-256 "
+                "differs from its manifest); refused"
+            )
+
+
+def _files(root: Path) -> list[str]:
+    """Every file under ``root`` (relative, POSIX), following links to folders (each real folder once)."""
+    found, seen = [], set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree
+            dirs.clear()
+            continue
+        seen.add(real)
+        for name in files:
+            found.append((Path(folder) / name).relative_to(root).as_posix())
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    """Sync what `file_entries` left unsynced before the rename: the manifest and every folder (each file was synced
+    as it was hashed, by `hash_and_sync` here or by its writer)."""
+    with (root / MANIFEST).open("rb") as file:
+        os.fsync(file.fileno())
+    for folder in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system syncs directories
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
