@@ -28,7 +28,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from torchloom.data import TextClassificationData
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from trainer_throughput import Clock, EngineClock, interleaved, summarise, table
+from trainer_throughput import Clock, EngineClock, interleaved, summarise, table, train_with_trainer
 
 LABELS = ["other", "great"]
 
@@ -91,38 +90,10 @@ def run_torchloom(args: Any, work: Path, grouped: bool) -> dict[str, float]:
 
 
 def run_trainer(args: Any, work: Path, grouped: bool) -> dict[str, float]:
-    from torch.utils.data import SequentialSampler
-
-    clock = Clock()
     data = reviews(args, work, grouped=False)  # the same tokenised rows; the Trainer groups them itself
     rows = data.train_dataset.select_columns(["input_ids", "attention_mask", "labels"])
     collate = transformers.DataCollatorWithPadding(data.tokenizer)
-
-    def collate_and_count(features: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = collate(features)
-        clock.count(batch)
-        return batch
-
-    class Sequential(transformers.Trainer):
-        def _get_train_sampler(self, *a: Any, **k: Any) -> Any:
-            return super()._get_train_sampler(*a, **k) if grouped else SequentialSampler(self.train_dataset)
-
-    class Times(transformers.TrainerCallback):
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            clock.times.append(time.perf_counter())
-
-    training_args = transformers.TrainingArguments(
-        output_dir=str(work / "trainer"), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-        learning_rate=1e-4, optim="adamw_torch_fused", lr_scheduler_type="constant", logging_steps=10_000,
-        save_strategy="no", report_to=[], dataloader_num_workers=0, use_cpu=True, disable_tqdm=True, seed=0,
-        remove_unused_columns=False, train_sampling_strategy="group_by_length" if grouped else "random",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    trainer = Sequential(
-        model=model(), args=training_args, train_dataset=rows, data_collator=collate_and_count, callbacks=[Times()]
-    )
-    trainer.train()
-    return clock.result(args.skip, args.steps)
+    return train_with_trainer(args, work, rows, collate, model, grouped=grouped)
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,13 +187,22 @@ def run_torchloom(args: Any, tokenizer: str, work: Path, packing: bool) -> dict[
 
 
 def run_trainer(args: Any, tokenizer_dir: str, work: Path) -> dict[str, float]:
-    from torch.utils.data import SequentialSampler
-
-    clock = Clock()
     datamodule = data(tokenizer_dir, work / "cache", False, args.batch_size, args.pairs)
     tokenizer = datamodule.tokenizer
     rows = datamodule.train_dataset.select_columns(["input_ids", "labels"])
     collate = transformers.DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True)
+    return train_with_trainer(args, work, rows, collate, lambda: model(len(tokenizer), args.layers))
+
+
+def train_with_trainer(
+    args: Any, work: Path, rows: Any, collate: Any, make_model: Callable[[], Any], grouped: bool = False
+) -> dict[str, float]:
+    """``args.steps`` optimizer steps of `transformers.Trainer` on ``rows``, batched by ``collate``, timed and
+    counted by a `Clock`: the sampler made sequential (``grouped``: the Trainer's ``group_by_length`` instead),
+    fused AdamW at lr 1e-4, constant learning rate, 1 torch thread, no saving; the model is made just before."""
+    from torch.utils.data import SequentialSampler
+
+    clock = Clock()
 
     def collate_and_count(features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = collate(features)
@@ -200,23 +210,23 @@ def run_trainer(args: Any, tokenizer_dir: str, work: Path) -> dict[str, float]:
         return batch
 
     class Sequential(transformers.Trainer):
-        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
-            return SequentialSampler(self.train_dataset)
+        def _get_train_sampler(self, *a: Any, **k: Any) -> Any:
+            return super()._get_train_sampler(*a, **k) if grouped else SequentialSampler(self.train_dataset)
 
     class Times(transformers.TrainerCallback):
-        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        def on_step_end(self, *a: Any, **k: Any) -> None:
             clock.times.append(time.perf_counter())
 
     training_args = transformers.TrainingArguments(
         output_dir=str(work / "trainer"), per_device_train_batch_size=args.batch_size, max_steps=args.steps,
         learning_rate=1e-4, optim="adamw_torch_fused", lr_scheduler_type="constant", logging_steps=10_000,
         save_strategy="no", report_to=[], dataloader_num_workers=0, use_cpu=True, disable_tqdm=True, seed=0,
-        remove_unused_columns=False,
+        remove_unused_columns=False, train_sampling_strategy="group_by_length" if grouped else "random",
     )  # fmt: skip
     torch.set_num_threads(1)
     trainer = Sequential(
-        model=model(len(tokenizer), args.layers), args=training_args, train_dataset=rows,
-        data_collator=collate_and_count, callbacks=[Times()],
+        model=make_model(), args=training_args, train_dataset=rows, data_collator=collate_and_count,
+        callbacks=[Times()],
     )  # fmt: skip
     trainer.train()
     return clock.result(args.skip, args.steps)
