@@ -326,3 +326,20 @@ def test_the_cycle_check_leaves_out_what_never_runs_and_submodule_imports(tmp_pa
     graph = import_graph(_write_tree(tmp_path, files), top="pkg")
     assert graph == {"pkg": set(), "pkg.a": set(), "pkg.b": {"pkg.a"}}
     assert import_cycles(graph) == []
+
+
+#: DESIGN.md: "no module over about 600 lines except the hook contract file" (small modules, one idea each).
+MAX_MODULE_LINES = 620
+LONG_BY_DESIGN = {CORE / "hookspecs.py": "the hook contract: every hook's documented signature, in one place"}
+
+
+def test_no_module_of_the_package_is_over_about_600_lines():
+    files = python_files(CORE) + python_files(ROOT / "plugins" / "torchloom_plugins")
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in files
+        if path not in LONG_BY_DESIGN
+        and (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split each by idea): {long}"
+    assert all(path.is_file() for path in LONG_BY_DESIGN)  # an exemption names a file that exists

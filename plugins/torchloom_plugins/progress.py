@@ -65,6 +65,7 @@ from rich.table import Table
 from rich.text import Text
 
 import torchloom
+from torchloom_plugins import _summary_text as summary_text
 
 __all__ = ["ProgressBar", "ProgressConfig", "batch_size", "metric_direction"]
 
@@ -347,7 +348,7 @@ class ProgressBar(torchloom.Plugin):
             self._say(self._validation_line(metrics, progress))
         elif self._bar is not None:
             loss = metrics.get("train/loss")
-            fields: dict[str, Any] = {} if loss is None else {"loss": _short(loss)}
+            fields: dict[str, Any] = {} if loss is None else {"loss": summary_text.short(loss)}
             self._drawn = time.perf_counter()
             self._bar.update(self._bar_task, completed=progress.global_step, **fields)
         elif self._stage == "fit" and self._train_end is None:
@@ -377,7 +378,7 @@ class ProgressBar(torchloom.Plugin):
         summary = self._fit_summary(progress)
         if self._fast_dev_run is not None:  # one line, no table, no summary.json: a check, not a result
             self.summary = summary
-            self._say(_fast_dev_run_line(summary, self._fast_dev_run))
+            self._say(summary_text.fast_dev_run_line(summary, self._fast_dev_run))
             return
         self._finish(summary)
 
@@ -443,7 +444,7 @@ class ProgressBar(torchloom.Plugin):
             bar.stop()  # draws the last frame and gives stdout / stderr back
 
     def _description(self, phase: str = "") -> str:
-        return _epoch(self._epoch, self._max_epochs) + (f" {phase}" if phase else "")
+        return summary_text.epoch_label(self._epoch, self._max_epochs) + (f" {phase}" if phase else "")
 
     def _describe(self, phase: str = "") -> None:
         if self._bar is not None and self._stage == "fit":
@@ -454,18 +455,18 @@ class ProgressBar(torchloom.Plugin):
 
     def _where(self, progress: Any) -> str:
         total = f"/{self._total}" if self._total is not None else ""
-        return f"{_epoch(progress.epoch, self._max_epochs)}  step {progress.global_step}{total}"
+        return f"{summary_text.epoch_label(progress.epoch, self._max_epochs)}  step {progress.global_step}{total}"
 
     def _plain_training_line(self, metrics: dict[str, float], progress: Any) -> None:
         now = time.perf_counter()
         parts = [self._where(progress)]
         if "train/loss" in metrics:
-            parts.append(f"loss {_short(metrics['train/loss'])}")
+            parts.append(f"loss {summary_text.short(metrics['train/loss'])}")
         since = self._line_time if self._line_time > -math.inf else (self._train_start or self._started)
         steps = progress.global_step - self._line_steps
         if steps > 0 and now > since:
             rate = steps / (now - since)
-            parts.append(f"{_rate(rate)} steps/s")
+            parts.append(f"{summary_text.rate(rate)} steps/s")
             if self._total is not None:
                 eta = max(self._total - progress.global_step, 0) / rate
                 parts.append(f"ETA {datetime.timedelta(seconds=round(eta))}")
@@ -483,7 +484,7 @@ class ProgressBar(torchloom.Plugin):
             self._line_time = time.perf_counter()
 
     def _validation_line(self, metrics: dict[str, float], progress: Any) -> str:
-        values = "  ".join(f"{name} {_short(value)}" for name, value in metrics.items())
+        values = "  ".join(f"{name} {summary_text.short(value)}" for name, value in metrics.items())
         if self._stage != "fit":
             return f"validation  {values}"
         return f"validation  {self._where(progress)}  {values}"
@@ -505,7 +506,7 @@ class ProgressBar(torchloom.Plugin):
         this run's own under ``this_run``."""
         now = time.perf_counter()
         start = self._train_start if self._train_start is not None else now
-        own = _counts(
+        own = summary_text.counts(
             progress.global_step - (self._resumed.global_step if self._resumed is not None else 0),
             None if self._samples is None else self._samples * self._num_processes,
             max((self._train_end or now) - start - self._val_time, 0.0),
@@ -516,7 +517,7 @@ class ProgressBar(torchloom.Plugin):
             before = self._resumed
             samples = None if own["samples"] is None or before.samples is None else before.samples + own["samples"]
             train_time, wall_time = before.train_time_s + own["train_time_s"], before.wall_time_s + own["wall_time_s"]
-            whole = _counts(progress.global_step, samples, train_time, wall_time)
+            whole = summary_text.counts(progress.global_step, samples, train_time, wall_time)
         assert self._run_dir is not None  # set at on_run_start, before any display
         trained = self._train_start is not None or self._resumed is not None
         return {
@@ -557,9 +558,9 @@ class ProgressBar(torchloom.Plugin):
         self.summary = summary
         self.console.print(Text(f"{summary['stage']} summary", style="bold"), soft_wrap=True)
         self.console.print(self._table(summary))
-        for line in _info_lines(summary):
+        for line in summary_text.info_lines(summary):
             self._say(line)
-        _write_json(os.path.join(summary["run_dir"], torchloom.SUMMARY_FILE), summary)
+        summary_text.write_json(os.path.join(summary["run_dir"], torchloom.SUMMARY_FILE), summary)
 
     def _table(self, summary: dict[str, Any]) -> Table:
         fit = summary["stage"] == "fit"
@@ -587,120 +588,4 @@ class _RateColumn(rich_progress.ProgressColumn):
 
     def render(self, task: rich_progress.Task) -> Text:
         speed = task.finished_speed or task.speed
-        return Text(f"- {self.unit}/s" if speed is None else f"{_rate(speed)} {self.unit}/s")
-
-
-def _fast_dev_run_line(summary: dict[str, Any], batches: int) -> str:
-    """The one-line summary of a ``fast_dev_run``: what ran, the last values, the time, and what was not saved."""
-    steps = summary["optimizer_steps"]
-    values = ", ".join(f"{name} {_short(m['last'])}" for name, m in sorted(summary["metrics"].items()))
-    wall = _seconds(summary["wall_time_s"])
-    return (
-        f"fast_dev_run passed ({batches} batch{'es' if batches != 1 else ''}): {steps} optimizer "
-        f"step{'s' if steps != 1 else ''}{', ' + values if values else ''}; wall time {wall} s; "
-        f"nothing saved; run directory: {summary['run_dir']}"
-    )
-
-
-def _counts(steps: int, samples: int | None, train_time: float, wall_time: float) -> dict[str, Any]:
-    """A summary's counts of some optimizer steps: the samples and seconds they took, and the rates."""
-    return {
-        "optimizer_steps": steps,
-        "samples": samples,
-        "train_time_s": train_time,
-        "samples_per_s": samples / train_time if samples is not None and train_time > 0 else None,
-        "steps_per_s": steps / train_time if train_time > 0 else None,
-        "wall_time_s": wall_time,
-    }
-
-
-def _epoch(epoch: int, max_epochs: int | None) -> str:
-    """``epoch 0/2``: the 0-based index of the epoch (`torchloom.Progress.epoch`, ``epoch`` in ``metrics.jsonl`` and
-    ``torchloom inspect``) out of the index of the last one, as Lightning's ``RichProgressBar`` shows
-    ``current_epoch``."""
-    return f"epoch {epoch}" + (f"/{max_epochs - 1}" if max_epochs else "")
-
-
-def _short(value: float) -> str:
-    """A value for a progress line: 4 significant digits."""
-    return f"{value:.4g}"
-
-
-def _rate(value: float) -> str:
-    """A rate: 3 significant digits, without exponent notation for large ones."""
-    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
-
-
-def _info_lines(summary: dict[str, Any]) -> list[str]:
-    """The lines under the table. Each rate is printed beside the time it is measured over (the HF Trainer's
-    ``train_samples_per_second = samples / train_runtime``, printed with ``train_runtime``): samples and steps per
-    second of training time, validation excluded; the wall time on its own line, labelled with what it includes."""
-    fit = summary["stage"] == "fit"
-    if not fit:
-        return [
-            f"wall time {_seconds(summary['wall_time_s'])} s (the whole validate call, set-up included)",
-            f"run directory: {summary['run_dir']}",
-        ]
-    epochs = f"{summary['epochs']} epoch{'s' if summary['epochs'] != 1 else ''}"
-    resumed = summary["resumed_from"] is not None
-    if not resumed:
-        lines = _counts_lines(summary, epochs, "", "the whole fit call")
-    else:  # the whole training, then this run's own part
-        lines = _counts_lines(summary, epochs, f"whole training ({summary['runs']} runs): ", "the fit calls")
-        lines += _counts_lines(summary["this_run"], None, "this run: ", "this fit call")
-        lines.append(f"resumed from {summary['resumed_from']}")
-    if summary.get("parameters") is not None:
-        lines.append(_sizes_line(summary["parameters"], summary["optimizer_state_bytes"]))
-    lines.append(f"run directory: {summary['run_dir']}")
-    lines.append(f"model: {summary['model_dir'] or 'not saved (engine setting save_model: false)'}")
-    return lines
-
-
-def _sizes_line(parameters: dict[str, int], optimizer_bytes: int) -> str:
-    """``parameters 134,515,008 (921,600 trainable, 0.69 %), 513 MiB; optimizer state 7.03 MiB``: the HF Trainer's
-    "Number of trainable parameters", Lightning's model summary."""
-    total, trainable = parameters["total"], parameters["trainable"]
-    share = f", {100 * trainable / total:.3g} %" if 0 < trainable < total else ""
-    return (
-        f"parameters {total:,} ({trainable:,} trainable{share}), {torchloom.format_bytes(parameters['bytes'])}; "
-        f"optimizer state {torchloom.format_bytes(optimizer_bytes)}"
-    )
-
-
-def _counts_lines(counts: dict[str, Any], epochs: str | None, prefix: str, wall: str) -> list[str]:
-    """What was trained; the training time with the rates measured over it; the wall time."""
-    what = [f"{counts['optimizer_steps']} optimizer steps", *([epochs] if epochs else [])]
-    if counts["samples"] is not None:
-        what.append(f"{counts['samples']} samples")
-    rates = [
-        f"{_rate(counts[key])} {unit}/s"
-        for key, unit in (("samples_per_s", "samples"), ("steps_per_s", "steps"))
-        if counts[key] is not None
-    ]
-    training = f"training time {_seconds(counts['train_time_s'])} s (validation excluded)"
-    indent = "  " if prefix else ""
-    return [
-        prefix + ", ".join(what),
-        indent + training + (f": {', '.join(rates)}" if rates else ""),
-        indent + f"wall time {_seconds(counts['wall_time_s'])} s ({wall}: set-up, validation and saving included)",
-    ]
-
-
-def _seconds(value: float) -> str:
-    """A duration: 3 significant digits under 10 s (``0.183``), tenths above (``103.2``), so that a rate printed
-    beside it can be checked against it."""
-    return f"{value:.3g}" if value < 10 else f"{value:.1f}"
-
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    """Write ``data`` as strict JSON (a non-finite number as the string ``"NaN"`` / ``"Infinity"`` /
-    ``"-Infinity"``, as in ``metrics.jsonl``: `torchloom.json_dumps`) atomically (`torchloom.write_atomically`).
-
-    Raises:
-        RunFileError: the file cannot be written (the message names it and the OS error).
-    """
-    text = torchloom.json_dumps(data, indent=2) + "\n"
-    try:
-        torchloom.write_atomically(path, text)  # readers see no file or the whole file
-    except OSError as exc:
-        raise torchloom.RunFileError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
+        return Text(f"- {self.unit}/s" if speed is None else f"{summary_text.rate(speed)} {self.unit}/s")
