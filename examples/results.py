@@ -3,6 +3,7 @@
     python examples/results.py                    # every run below (about 10 minutes on the 2-core machine)
     python examples/results.py fashion_mnist/cnn keywords/three_epochs   # these runs only (the others are kept)
     python examples/results.py --list
+    python examples/results.py --kernel-spread keywords/three_epochs   # how far other CPU kernels move a run
 
 The example pages (``docs/examples/*.md``) quote these results; ``tests/test_docs.py`` checks that every row it
 names shows the recorded values, and the example tests check that their own slice of the data still reaches the
@@ -18,6 +19,13 @@ the CPU, the thread count of the config).
 The values are deterministic for a given machine kind, torch build and thread count (the configs set
 ``engine.num_threads: 1``); another CPU (other vector units), another torch or another thread count changes the
 last digits and can move an accuracy by a few samples. Times depend on the load of the machine.
+
+``--kernel-spread`` measures how far: it runs each named run again under every vector instruction set this CPU
+offers to torch's and oneDNN's kernels (``ATEN_CPU_CAPABILITY`` with ``ONEDNN_MAX_CPU_ISA``: ``default``,
+``avx2``, ``avx512`` where the CPU has them), as another CPU would pick, and records each value's largest
+distance from the recorded one (``kernel_spread``; the recorded values are left as they are, and recording a run
+again drops its spread, to be measured again). On a CPU other than the recording one, the example tests compare
+their runs within that spread (``tests/example_results.py``).
 """
 
 from __future__ import annotations
@@ -183,8 +191,33 @@ def environment() -> dict[str, Any]:
     return {"torch": torch.__version__, "cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version()}
 
 
-def run(run_id: str, root: Path) -> dict[str, Any]:
-    """One run through the command line; its recorded values."""
+#: The vector instruction sets ``--kernel-spread`` runs under: torch's ``ATEN_CPU_CAPABILITY`` -> oneDNN's
+#: ``ONEDNN_MAX_CPU_ISA`` (the convolutions and matrix products of the examples run in either library).
+KERNELS = {"default": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE"}
+
+
+def kernels() -> list[str]:
+    """The entries of `KERNELS` this CPU runs: up to the capability torch picks for it."""
+    import torch
+
+    best = torch.backends.cpu.get_cpu_capability().lower()
+    names = list(KERNELS)
+    return names[: names.index(best) + 1] if best in names else ["default"]
+
+
+def kernel_spread(run_id: str, root: Path, recorded: dict[str, float]) -> dict[str, Any]:
+    """Run ``run_id`` under each of `kernels`; each recorded value's largest distance from its value there."""
+    spread = dict.fromkeys(recorded, 0.0)
+    for name in kernels():
+        env = {"ATEN_CPU_CAPABILITY": name, "ONEDNN_MAX_CPU_ISA": KERNELS[name]}
+        got = run(run_id, root / name, env)["metrics"]
+        print(f"  {name}: {json.dumps(got)}", flush=True)
+        spread = {key: max(spread[key], abs(got[key] - value)) for key, value in recorded.items()}
+    return {"kernels": kernels(), "cpu": environment()["cpu"], "metrics": spread}
+
+
+def run(run_id: str, root: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One run through the command line (``env``: added to the environment); its recorded values."""
     spec = RUNS[run_id]
     out = root / run_id.replace("/", "_")
     command = [
@@ -197,7 +230,7 @@ def run(run_id: str, root: Path) -> dict[str, Any]:
         *spec["overrides"],
         f"--engine.output_dir={out}",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     load = os.getloadavg()[0]
     start = time.perf_counter()
     with tempfile.TemporaryFile() as stderr:
@@ -236,6 +269,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", help=f"run ids (default: all): {', '.join(RUNS)}")
     parser.add_argument("--list", action="store_true", help="list the run ids and stop")
+    parser.add_argument(
+        "--kernel-spread",
+        action="store_true",
+        help="measure how far each named (already recorded) run moves under the other vector kernels of this CPU",
+    )
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(f"{k}: {v['config']} {' '.join(v['overrides'])}".rstrip() for k, v in RUNS.items()))
@@ -246,10 +284,16 @@ def main(argv: list[str] | None = None) -> None:
     import torchloom
 
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"runs": {}}
+    if args.kernel_spread and (unrecorded := [r for r in args.runs or RUNS if r not in results["runs"]]):
+        parser.error(f"--kernel-spread needs recorded runs; not recorded yet: {', '.join(unrecorded)}")
     with tempfile.TemporaryDirectory() as tmp:
         for run_id in args.runs or list(RUNS):
             print(f"{run_id} ...", flush=True)
-            results["runs"][run_id] = {**run(run_id, Path(tmp)), "environment": environment()}
+            if args.kernel_spread:
+                record = results["runs"][run_id]
+                record["kernel_spread"] = kernel_spread(run_id, Path(tmp), record["metrics"])
+            else:
+                results["runs"][run_id] = {**run(run_id, Path(tmp)), "environment": environment()}
             print(json.dumps(results["runs"][run_id]["metrics"]), flush=True)
             results["runs"] = dict(sorted(results["runs"].items()))
             # each finished run is kept, even if a later one fails
