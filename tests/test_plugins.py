@@ -104,8 +104,14 @@ def test_discovery_imports_nothing_and_enabling_imports_only_the_enabled_plugin(
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"hello", "fixture_twin", "fixture_broken"} <= set(result["names"])
     assert result["after_discovery"] == []  # discovery read metadata only (the broken one would have raised)
-    # only the enabled plugins' modules: hello's, and the default plugin's (progress, a built-in)
-    assert result["after_enable"] == ["torchloom_hello", "torchloom_plugins", "torchloom_plugins.progress"]
+    # only the enabled plugins' modules: hello's, and the default plugin's (progress, a built-in, with the module
+    # of its summary's text)
+    assert result["after_enable"] == [
+        "torchloom_hello",
+        "torchloom_plugins",
+        "torchloom_plugins._summary_text",
+        "torchloom_plugins.progress",
+    ]
     assert result["plugin_module"] == "torchloom_hello"
     assert result["batches"] == 2  # its hooks ran in the fit
     assert result["greeted"] == ["hello"]
