@@ -24,6 +24,9 @@ nox.options.error_on_missing_interpreters = True
 PYTHON = "3.11"
 CONSTRAINTS = ("-c", "constraints.txt")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: pytest-xdist workers of the tests session: one per CPU, at most 4 (each multi-process test starts 2 to 4
+#: processes of its own). A test file runs whole on one worker (``--dist loadfile``), so its module fixtures run once.
+TEST_WORKERS = min(os.cpu_count() or 1, 4)
 #: Debian programs the examples run: the keyword example makes its clips with them (examples/keywords.py).
 DEBIAN_TOOLS = ("espeak-ng", "flite", "sox")
 
@@ -70,13 +73,15 @@ def tests(session: nox.Session) -> None:
     """Run the test suite against the installed package (not the source tree), offline.
 
     The test-only plugin distributions under tests/fixtures/ are installed for real, so discovery is tested
-    through genuine entry-point metadata. pytest exiting with 5 (no tests collected) fails the session.
+    through genuine entry-point metadata. pytest exiting with 5 (no tests collected) fails the session. The tests
+    run on `TEST_WORKERS` pytest-xdist workers (``-- ARGS`` replaces that and ``-q`` with ARGS).
     """
     install_torchloom(session, "test")
     install_smollm2(session)
     install_debian_tools(session)
     install_test_distributions(session)
-    session.run("pytest", *(session.posargs or ("-q",)), env=OFFLINE)
+    parallel = ("-n", str(TEST_WORKERS), "--dist", "loadfile") if TEST_WORKERS > 1 else ()
+    session.run("pytest", *(session.posargs or ("-q", *parallel)), env=OFFLINE)
     if not session.posargs:  # the third-party distribution's own tests, from its own directory
         session.run("pytest", "-q", "examples/torchloom-ema/tests", env=OFFLINE)
 
