@@ -27,24 +27,29 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 #: pytest-xdist workers of the tests session: one per CPU, at most 4 (each multi-process test starts 2 to 4
 #: processes of its own). A test file runs whole on one worker (``--dist loadfile``), so its module fixtures run once.
 TEST_WORKERS = min(os.cpu_count() or 1, 4)
-#: Debian programs the examples run: the keyword example makes its clips with them (examples/keywords.py).
-DEBIAN_TOOLS = ("espeak-ng", "flite", "sox")
+#: Debian packages the examples run, each with a program it installs: the keyword example makes its clips with them
+#: (examples/keywords.py).
+EXAMPLE_PACKAGES = {"espeak-ng": "espeak-ng", "flite": "flite", "sox": "sox"}
+#: The tests session's: those, and a real single-node SLURM for tests/test_slurm.py (issue 29; 20 s).
+TEST_PACKAGES = {**EXAMPLE_PACKAGES, "slurm-wlm": "slurmctld"}
 
 
-def install_debian_tools(session: nox.Session) -> None:
-    """Install `DEBIAN_TOOLS` with apt-get when one is missing (as root, as in CI); otherwise say how."""
-    missing = [tool for tool in DEBIAN_TOOLS if shutil.which(tool) is None]
+def install_debian_packages(session: nox.Session, packages: dict[str, str]) -> None:
+    """Install those of ``packages`` (package -> a program it installs) whose program is missing, with apt-get (as
+    root, as in CI); otherwise say how. The tests that need a missing one are skipped, and say why."""
+    missing = [package for package, program in packages.items() if shutil.which(program) is None]
     if not missing:
         return
     if shutil.which("apt-get") is None or not hasattr(os, "geteuid") or os.geteuid() != 0:
         session.warn(
-            f"{', '.join(missing)} not found and not installable here (needs root and apt-get): the keyword example's "
-            "tests will be skipped; run 'sudo apt-get install -y espeak-ng flite sox' to include them"
+            f"Debian packages {', '.join(missing)} not installed and not installable here (needs root and apt-get): "
+            f"the tests that need them will be skipped; run 'sudo apt-get install -y {' '.join(missing)}' to include "
+            "them"
         )
         return
     env = {"DEBIAN_FRONTEND": "noninteractive"}
     session.run("apt-get", "update", "-qq", external=True, env=env)
-    session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", *DEBIAN_TOOLS, external=True, env=env)
+    session.run("apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing, external=True, env=env)
 
 
 def install_torchloom(session: nox.Session, *extras: str, editable: bool = False) -> None:
@@ -78,7 +83,7 @@ def tests(session: nox.Session) -> None:
     """
     install_torchloom(session, "test")
     install_smollm2(session)
-    install_debian_tools(session)
+    install_debian_packages(session, TEST_PACKAGES)
     install_test_distributions(session)
     parallel = ("-n", str(TEST_WORKERS), "--dist", "loadfile") if TEST_WORKERS > 1 else ()
     session.run("pytest", *(session.posargs or ("-q", *parallel)), env=OFFLINE)
@@ -178,5 +183,5 @@ def chat(session: nox.Session) -> None:
 def keywords(session: nox.Session) -> None:
     """The audio example: spot 10 spoken keywords made with espeak-ng / flite / sox (CPU, about a minute)."""
     install_torchloom(session, "examples")
-    install_debian_tools(session)
+    install_debian_packages(session, EXAMPLE_PACKAGES)
     session.run("torchloom", "fit", "--config", "examples/keywords.yaml", *session.posargs, env=OFFLINE)
