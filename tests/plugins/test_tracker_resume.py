@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from torchloom_plugins._tracker_runs import Continued, continue_kwargs, read_runs
+from torchloom_plugins._tracker_runs import Continued, continue_kwargs, read_runs, run_ids
 from torchrun_util import MP_DIR
 
 sys.path.insert(0, str(MP_DIR))
@@ -145,3 +145,14 @@ def test_a_continued_run_skips_only_the_steps_it_holds() -> None:
     assert [s for s in range(6, 12) if not known.holds(s, 7)] == [10, 11]  # 8 and 9 were logged before the crash
     assert [s for s in range(6, 12) if not unknown.holds(s, 7)] == list(range(6, 12))  # not recorded: all sent
     assert not Continued("wandb", "abc", None, 5).holds(6, 5) and Continued("wandb", "abc", None, 5).holds(5, 5)
+
+
+def test_only_w_and_b_and_mlflow_runs_are_recorded_whatever_run_object_another_tracker_holds(tmp_path) -> None:
+    """Accelerate's AimTracker holds a ``run`` as its WandBTracker does: it is no W&B run to continue."""
+    from types import SimpleNamespace
+
+    wandb_run, aim_run = SimpleNamespace(id="w1"), SimpleNamespace(id="not-a-wandb-id", hash="a1")
+    trackers = [SimpleNamespace(name="aim", run=aim_run), SimpleNamespace(name="tensorboard", writer=object())]
+    assert run_ids(trackers) == {}
+    assert run_ids([*trackers, SimpleNamespace(name="wandb", run=wandb_run)]) == {"wandb": {"run_id": "w1"}}
+    assert run_ids([SimpleNamespace(name="wandb", run=None)]) == {}  # not started (another process)
