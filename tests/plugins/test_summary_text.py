@@ -63,6 +63,15 @@ def test_one_epoch_no_sizes_and_no_saved_model_read_so() -> None:
     ]
 
 
+def test_a_fit_that_trained_nothing_prints_no_rates() -> None:
+    lines = text.info_lines(_fit(**text.counts(steps=0, samples=None, train_time=0.0, wall_time=0.1)))
+    assert lines[:3] == [
+        "0 optimizer steps, 2 epochs",
+        "training time 0 s (validation excluded)",
+        "wall time 0.1 s (the whole fit call: set-up, validation and saving included)",
+    ]
+
+
 def test_a_resumed_fit_prints_the_whole_training_then_its_own_part() -> None:
     own = text.counts(steps=10, samples=160, train_time=0.8, wall_time=2.5)
     lines = text.info_lines(_fit(resumed_from="runs/demo/run-1/checkpoints/step-30", runs=2, this_run=own))
@@ -86,7 +95,12 @@ def test_a_validate_call_prints_its_wall_time_and_run_directory_only() -> None:
 
 @pytest.mark.parametrize(
     ("trainable", "share"),
-    [(921_600, " (921,600 trainable, 0.685 %)"), (134_515_008, " (134,515,008 trainable)"), (0, " (0 trainable)")],
+    [
+        (921_600, " (921,600 trainable, 0.685 %)"),
+        (1, " (1 trainable, 7.43e-07 %)"),
+        (134_515_008, " (134,515,008 trainable)"),
+        (0, " (0 trainable)"),
+    ],
 )
 def test_the_trainable_share_is_shown_only_for_a_part(trainable: int, share: str) -> None:
     parameters = {"total": 134_515_008, "trainable": trainable, "bytes": 1024}
@@ -117,6 +131,12 @@ def test_the_number_formats() -> None:
         "epoch 0/0",
     )
     assert (text.short(1.234567), text.short(0.000123456), text.short(12345.6)) == ("1.235", "0.0001235", "1.235e+04")
+    assert (text.seconds(9.996), text.seconds(10.0), text.seconds(10.04), text.seconds(103.24)) == (
+        "10",
+        "10.0",
+        "10.0",
+        "103.2",
+    )
     assert (text.rate(99.94), text.rate(100.0), text.rate(1234.5), text.rate(0.01234)) == (
         "99.9",
         "100",
@@ -129,6 +149,7 @@ def test_summary_json_is_strict_json_written_whole(tmp_path) -> None:
     path = tmp_path / "summary.json"
     text.write_json(str(path), {"best": math.nan, "rate": math.inf, "steps": 3})
     assert path.read_text(encoding="utf-8").endswith("}\n")
+    assert '\n  "steps": 3' in path.read_text(encoding="utf-8")  # one name a line, for people reading the run
     assert json.loads(path.read_text(encoding="utf-8")) == {"best": "NaN", "rate": "Infinity", "steps": 3}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left
     with pytest.raises(torchloom.RunFileError, match=r"cannot write '.*missing/summary.json': No such file"):
