@@ -325,9 +325,11 @@ class FineFoodsChat(torchloom.TaskModule):
         return {"loss": self.model(**batch).loss, "num_items": num_items}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        num_items = batch["num_items"]
+        # The model's mean over the batch's answer tokens, weighted by their count: val/loss is the mean over every
+        # answer token. With several processes the engine gives the copies Accelerate pads the last batch with no
+        # weight (their labels -100, num_items recounted), so it is exact for any eval batch size.
         inputs = {k: v for k, v in batch.items() if k not in ("num_items", "generation")}
-        self.log("val/loss", self.model(**inputs).loss, weight=int(num_items))
+        self.log("val/loss", self.model(**inputs).loss, weight=batch["num_items"])
 
     def save_model(self, directory: str | os.PathLike[str]) -> None:
         """Save the model (``save_pretrained``) and its tokenizer."""

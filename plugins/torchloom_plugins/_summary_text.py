@@ -12,10 +12,17 @@ __all__ = ["counts", "epoch_label", "fast_dev_run_line", "info_lines", "rate", "
 
 
 def fast_dev_run_line(summary: dict[str, Any], batches: int) -> str:
-    """The one-line summary of a ``fast_dev_run``: what ran, the last values, the time, and what was not saved."""
+    """The one-line summary of a ``fast_dev_run``: what ran, the last values, the time, and what was not saved.
+    A fit that made no optimizer step (for whatever reason) checked nothing: it is never said to have passed."""
     steps = summary["optimizer_steps"]
     values = ", ".join(f"{name} {short(m['last'])}" for name, m in sorted(summary["metrics"].items()))
     wall = seconds(summary["wall_time_s"])
+    if not (summary.get("this_run") or summary)["optimizer_steps"]:  # this run's own steps, not those resumed
+        return (
+            f"fast_dev_run did NOT pass: it trained 0 optimizer steps of the {batches} batch"
+            f"{'es' if batches != 1 else ''} it was to train, so nothing was checked; wall time {wall} s; nothing "
+            f"saved; run directory: {summary['run_dir']}"
+        )
     return (
         f"fast_dev_run passed ({batches} batch{'es' if batches != 1 else ''}): {steps} optimizer "
         f"step{'s' if steps != 1 else ''}{', ' + values if values else ''}; wall time {wall} s; "

@@ -73,7 +73,8 @@ class AutoBatchConfig:
             the dataloader's batch size times the processes (the batch is the effective batch per process).
 
     Raises:
-        ConfigError: ``micro_batch_size`` or ``effective_batch_size`` below 1, ``max_retries`` below 0.
+        ConfigError: ``micro_batch_size`` or ``effective_batch_size`` below 1, ``max_retries`` below 0, a ``budget``
+            that is not a size, or a ``budget`` with ``micro_batch_size`` (which leaves the planner out).
     """
 
     micro_batch_size: int | None = None  # rows per forward per process to start from; None: planner, else batch
@@ -88,6 +89,36 @@ class AutoBatchConfig:
                 raise torchloom.ConfigError(f"setting {name!r} = {value!r}; expected an integer >= 1 or null")
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise torchloom.ConfigError(f"setting 'max_retries' = {self.max_retries!r}; expected an integer >= 0")
+        if self.budget is not None:
+            if _size(self.budget) is None:  # else read only at the start of the fit, where a planner error is a note
+                raise torchloom.ConfigError(
+                    f"setting 'budget' = {self.budget!r}; expected bytes (an integer > 0) or a number with a unit: "
+                    "KiB, MiB, GiB (powers of 2) or kB, MB, GB, e.g. '20GiB'"
+                )
+            if self.micro_batch_size is not None:
+                raise torchloom.ConfigError(
+                    f"settings 'budget' = {self.budget!r} and 'micro_batch_size' = {self.micro_batch_size!r}: the "
+                    "budget is what the planner fits a micro-batch to, and micro_batch_size replaces the planner; "
+                    "set one of them"
+                )
+
+
+def _size(value: int | str) -> int | None:
+    """``value`` in bytes (an int, or a size with a unit as Accelerate reads it: ``"20GiB"``), ``None`` when it is
+    not a size > 0."""
+    from accelerate.utils import convert_file_size_to_int
+
+    if isinstance(value, bool):
+        return None
+    try:
+        size = (
+            int(value.strip())
+            if isinstance(value, str) and value.strip().isdigit()
+            else convert_file_size_to_int(value)
+        )
+    except (ValueError, AttributeError, TypeError):
+        return None
+    return int(size) if size > 0 else None
 
 
 # ------------------------------------------------------------------------------------------ functional core
@@ -489,7 +520,9 @@ def _combined(outputs: list[dict[str, Any]]) -> dict[str, Any]:
         counts = [out["num_items"] for out in outputs]
         total: Any = sum(counts[1:], counts[0])
         weights = torch.stack([torch.as_tensor(c, dtype=losses.dtype, device=losses.device) for c in counts])
-        combined["loss"] = (losses * weights).sum() / weights.sum().clamp_min(torch.finfo(losses.dtype).tiny)
+        # A piece with no item (no loss token: its mean is 0 / 0 = NaN, with a zero gradient) weighs nothing.
+        weighted = torch.where(weights != 0, losses * weights, torch.zeros_like(losses))
+        combined["loss"] = weighted.sum() / weights.sum().clamp_min(torch.finfo(losses.dtype).tiny)
         combined["num_items"] = total
     else:
         combined["loss"] = losses.mean()

@@ -39,7 +39,13 @@ Method card
 - **Atomic:** a checkpoint is complete or absent (see `torchloom.checkpoint`); old ones are deleted only after a new
   one is complete, each by a rename out of sight first, so a kill at any moment leaves the newest complete
   checkpoint loadable. ``keep_across_runs`` deletes nothing of a run that another process is still running (its
-  run directory is marked in use while its fit runs).
+  run directory is marked in use while its fit runs). Retention counts complete checkpoints only (a failed save,
+  or one gone since, is not counted), so the newest complete one is never deleted. ``keep_best`` ranks the
+  training: in a resumed fit, the checkpoints of the runs it continues by the score each was saved with, with its
+  own.
+- **Finite:** `torchloom.save_checkpoint` checks the weights, the optimizer state and the plugins' states first
+  (one fused flag, one all-reduce): a non-finite state stops the fit (``nonfinite_loss="error"``) or is skipped
+  with a warning and returns ``None`` (``"skip"`` / ``"ignore"``), which the plugin neither records nor counts.
 - **Background:** with ``async_save`` the state is copied to host memory at the save step and written by a
   thread (`torchloom.save_checkpoint_async`); the manifest, the rename and the retention come at the next save or
   at the end of training, at most one save in flight.
@@ -69,6 +75,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ASYNC_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 #: What a fit under SLURM writes into its run directory: the job id and its restart counter.
 SLURM_FILE = "slurm.json"
+#: The file that makes a checkpoint directory complete (`torchloom.checkpoint`: written last, then one rename).
+MANIFEST = "manifest.json"
 
 
 @dataclass
@@ -86,7 +94,9 @@ class CheckpointConfig:
             latest value when a checkpoint is saved is the checkpoint's score.
         mode (`str`, defaults to ``"min"``): ``"min"`` or ``"max"``: whether a lower or a higher ``monitor`` is
             better.
-        keep_best (`int`, defaults to 1): with ``monitor``, also keep this many best-scoring checkpoints.
+        keep_best (`int`, defaults to 1): with ``monitor``, also keep this many best-scoring checkpoints of the
+            training: a resumed fit ranks those of the runs it continues, by the score each was saved with, with its
+            own.
         keep_across_runs (`int`, *optional*): keep at most this many checkpoints over all the run directories of
             the ``output_dir`` (every ``version_N``): after each save, delete the oldest beyond the most recent
             ``keep_across_runs``, in earlier runs too, except the checkpoint the fit resumed from, the ``keep_best``
@@ -186,9 +196,13 @@ class Checkpoint(torchloom.Plugin):
         self._previous_handlers: dict[int, Any] = {}
         self._pending: Any = None  # the interrupt flag's agreement started at the last step (several processes)
         self._off = False  # a fast_dev_run (the engine's is_fast_dev_run, at setup): nothing is saved
+        self._max_epochs: int | None = None  # the engine's max_epochs (at setup)
         # async_save: the checkpoint in flight, with the step and the monitored value it was saved with
         self._in_flight: tuple[torchloom.PendingCheckpoint, int, float | None] | None = None
         self._accelerator: Any = None  # the fit's (on_fit_start), for a save still in flight at teardown
+        # a resumed fit: the score each checkpoint of the runs it continues was saved with, ranked with its own
+        self._lineage_scores: dict[str, float] = {}
+        self._main = True  # the fit's main process (on_fit_start): the one that sees and deletes the checkpoints
         if self.config.every_n_steps is None and not self.config.save_on_interrupt:  # saves at epoch ends only
             self.inactive_hooks = frozenset({"on_train_step_end"})
 
@@ -197,17 +211,25 @@ class Checkpoint(torchloom.Plugin):
     @torchloom.hookimpl
     def setup(self, config) -> None:
         self._off = bool(getattr(config, "is_fast_dev_run", False))
+        self._max_epochs = getattr(config, "max_epochs", None)
 
     @torchloom.hookimpl
     def on_run_start(self, run_dir: str) -> None:
         self._run_dir, self._output_dir = run_dir, os.path.dirname(run_dir)  # <output_dir>/version_N
 
     @torchloom.hookimpl
-    def on_fit_start(self, accelerator, resumed) -> None:
+    def on_fit_start(self, accelerator, resumed, task, progress) -> None:
         self.saved, self.scores, self._value, self._signal, self._pending = [], {}, None, None, None
         self._in_flight, self._accelerator = None, accelerator
+        self._main = bool(accelerator.is_main_process)
         self.resumed_from = None if resumed is None else resumed.checkpoint
         self._resumed = resumed
+        self._lineage_scores = {}
+        if resumed is not None and self.config.monitor is not None:  # the whole training's scores and latest value
+            self._lineage_scores = resumed.scores(self.config.monitor, self._output_dir)
+            for _, _, values in resumed.logged():
+                if self.config.monitor in values:
+                    self._value = float(values[self.config.monitor])
         self._completed = False
         kind = getattr(accelerator.distributed_type, "value", accelerator.distributed_type)
         if self.config.async_save and kind in ASYNC_UNSUPPORTED:  # refused before anything is written
@@ -215,6 +237,8 @@ class Checkpoint(torchloom.Plugin):
                 f"setting 'async_save' = true: a run with {kind} saves its shards with collectives of its own, "
                 "which a background save cannot run; set async_save: false"
             )
+        if not self._off and accelerator.is_main_process:
+            self._warn_if_never_saved(task.num_training_steps, progress)
         if not self._off and accelerator.is_main_process and os.environ.get("SLURM_JOB_ID"):
             self._record_slurm_job()
         if self._monitor is not None:
@@ -224,6 +248,27 @@ class Checkpoint(torchloom.Plugin):
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread
             for number in SIGNALS:
                 self._previous_handlers[number] = signal.signal(number, self._on_signal)
+
+    def _warn_if_never_saved(self, total: int | None, progress: Any) -> None:
+        """Warn once when neither schedule saves in this fit (whose last optimizer step is ``total``): ``every_n_steps``
+        beyond its steps and ``every_n_epochs`` beyond ``max_epochs`` (a fit that ``max_steps`` ends earlier is not
+        counted as shorter: no warning that could be wrong)."""
+        steps, epochs = self.config.every_n_steps, self.config.every_n_epochs
+        max_epochs = self._max_epochs
+        if total is None or total <= progress.global_step or max_epochs is None:
+            return
+        if (steps is not None and total // steps > progress.global_step // steps) or (
+            epochs is not None and max_epochs // epochs > progress.epoch // epochs
+        ):
+            return
+        schedules = [
+            f"every_n_steps = {steps} (this fit ends at optimizer step {total})" if steps is not None else "",
+            f"every_n_epochs = {epochs} (it ends after epoch {max_epochs})" if epochs is not None else "",
+        ]
+        torchloom.warn(
+            f"checkpoint: no checkpoint will be saved in this fit: {' and '.join(s for s in schedules if s)}; only a "
+            "stop by a signal would save one. Lower every_n_steps or every_n_epochs, or train longer",
+        )
 
     def _on_signal(self, number: int, frame: Any) -> None:
         if self._signal is not None and number == signal.SIGINT:  # a second Ctrl-C: stop now
@@ -304,19 +349,28 @@ class Checkpoint(torchloom.Plugin):
         self._pending = torchloom.rank_agreement().max_later(self._signal or 0)
         return agreed
 
-    def _save(self, accelerator, step: int, wait: bool = False) -> str:
+    def _save(self, accelerator, step: int, wait: bool = False) -> str | None:
         """Save now (``wait``, or without ``async_save``) or start a background save; the bookkeeping of a
-        checkpoint (``saved``, ``scores``, retention) comes once it is complete."""
+        checkpoint (``saved``, ``scores``, retention) comes once it is complete. ``None``: nothing was written (the
+        state was not finite, under the engine's ``nonfinite_loss`` ``"skip"`` / ``"ignore"``): no retention."""
         self._settle(accelerator)  # at most one in flight: the previous one is complete first
-        if self._monitor is not None:
-            self._monitor.use(step)  # whether this checkpoint's score was logged at its own step
         if self.config.async_save and not wait:
             pending = torchloom.save_checkpoint_async()
+            if pending is None:  # non-finite state, skipped (nonfinite_loss "skip" / "ignore"): nothing to count
+                return None
+            self._use(step)
             self._in_flight = (pending, step, self._value)
             return pending.path
         path = torchloom.save_checkpoint()
+        if path is None:
+            return None
+        self._use(step)
         self._record(accelerator, path, self._value)
         return path
+
+    def _use(self, step: int) -> None:
+        if self._monitor is not None:
+            self._monitor.use(step)  # whether this checkpoint's score was logged at its own step
 
     def _after_failure(self) -> None:
         """A fit that failed with a save in flight: the engine completed it (one process) or discarded it (several);
@@ -347,11 +401,11 @@ class Checkpoint(torchloom.Plugin):
         self.saved.append(path)
         if value is not None and not math.isnan(value):
             self.scores[path] = value
-        expired = self._expired()  # the same on every process; only the main process deletes
+        expired = self._expired()  # the main process deletes; the others only forget them
         self.saved = [p for p in self.saved if p not in expired]
         if accelerator.is_main_process:
             for old in expired:
-                if os.path.isdir(old):  # else deleted already, by another run's keep_across_runs
+                if self._complete(old):  # else deleted already (by another run's keep_across_runs, by hand)
                     torchloom.delete_checkpoint(old)
         if accelerator.is_main_process:
             self._bound_lineage(spare_resumed=True)
@@ -433,16 +487,29 @@ class Checkpoint(torchloom.Plugin):
         self.scores = {p: v for p, v in self.scores.items() if os.path.realpath(p) not in gone}
 
     def _best(self) -> list[str]:
-        """This fit's ``keep_best`` best checkpoints by ``monitor`` (none without one)."""
+        """The training's ``keep_best`` best checkpoints by ``monitor`` (none without one): this fit's, ranked with
+        those of the runs a resumed fit continues by the score each was saved with (Lightning's ``ModelCheckpoint``
+        restores its best scores on a resume the same way), an earlier one first on a tie."""
         if self.config.monitor is None:
             return []
-        ranked = sorted(self.scores, key=self.scores.__getitem__, reverse=self.config.mode == "max")
+        lineage = {p: v for p, v in self._lineage_scores.items() if p not in self.scores}
+        scores = {p: v for p, v in {**lineage, **self.scores}.items() if self._complete(p)}
+        ranked = sorted(scores, key=scores.__getitem__, reverse=self.config.mode == "max")
         return ranked[: self.config.keep_best]
 
+    def _complete(self, path: str) -> bool:
+        """Whether ``path`` is a complete checkpoint (it has its manifest), as the main process sees it: retention
+        counts and deletes only those, so the newest complete checkpoint is never deleted for one that is gone or
+        was never complete. The other processes delete nothing and count every checkpoint (no file-system read,
+        which may differ between nodes, decides anything there)."""
+        return not self._main or os.path.isfile(os.path.join(path, MANIFEST))
+
     def _expired(self) -> list[str]:
-        """The checkpoints of this fit that neither the last ``keep_last`` nor the best ``keep_best`` include."""
+        """The checkpoints of this fit that neither the last ``keep_last`` complete ones nor the best ``keep_best``
+        include (those no longer complete, deleted by hand, are forgotten)."""
         keep_last = self.config.keep_last
-        keep = set(self.saved if keep_last is None else self.saved[-keep_last:]) | set(self._best())
+        alive = [p for p in self.saved if self._complete(p)]
+        keep = set(alive if keep_last is None else alive[-keep_last:]) | set(self._best())
         expired = [p for p in self.saved if p not in keep]
         for path in expired:
             self.scores.pop(path, None)

@@ -84,10 +84,14 @@ class CompileConfig:
         backends = _backends()
         if self.backend not in backends:
             raise torchloom.ConfigError(
-                f"setting 'backend' = {self.backend!r}; valid values: {', '.join(map(repr, backends))}"
+                f"setting 'backend' = {self.backend!r}{_did_you_mean(self.backend, backends)}; valid values: "
+                f"{', '.join(map(repr, backends))}"
             )
         if self.mode not in _MODES:
-            raise torchloom.ConfigError(f"setting 'mode' = {self.mode!r}; valid values: {', '.join(map(repr, _MODES))}")
+            raise torchloom.ConfigError(
+                f"setting 'mode' = {self.mode!r}{_did_you_mean(self.mode, _MODES)}; valid values: "
+                f"{', '.join(map(repr, _MODES))}"
+            )
         if self.mode != "default" and self.backend != "inductor":
             raise torchloom.ConfigError(
                 f"setting 'mode' = {self.mode!r} needs backend 'inductor', but 'backend' = {self.backend!r}; "
@@ -108,6 +112,11 @@ class CompileConfig:
         if self.mode != "default":
             kwargs["mode"] = self.mode
         return kwargs
+
+
+def _did_you_mean(value: Any, valid: Any) -> str:
+    close = torchloom.closest_name(str(value), valid)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def compile_counters() -> tuple[int, int]:

@@ -92,7 +92,9 @@ class EarlyStoppingConfig:
                 "checks and never reach on_log; monitor a name the task or a plugin logs"
             )
         if self.mode not in torchloom.Monitor.MODES:
-            raise ConfigError(f"setting 'mode' = {self.mode!r}: expected 'min' (lower is better) or 'max'")
+            close = torchloom.closest_name(str(self.mode), torchloom.Monitor.MODES)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            raise ConfigError(f"setting 'mode' = {self.mode!r}{hint}: expected 'min' (lower is better) or 'max'")
         if not _is_int(self.patience) or self.patience < 1:
             raise ConfigError(
                 f"setting 'patience' = {self.patience!r}: expected an integer >= 1 (checks in a row without "

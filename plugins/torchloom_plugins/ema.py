@@ -12,7 +12,8 @@ Method card
   (one ``torch._foreach_lerp_`` over the parameter list, on the device, no host-device sync), applied to a list of
   shadow tensors rather than a deep copy of the model: only the parameters with ``requires_grad`` are averaged,
   so under ``peft`` the shadow is the adapter's weights only and the frozen base is never copied.
-- **Hooks:** ``on_fit_start`` (copy the weights, or apply a loaded state); ``after_optimizer_step`` (update; skips a
+- **Hooks:** ``on_fit_start`` (copy the weights, or apply a loaded state; a warning when ``every`` exceeds the fit's
+  optimizer steps, so that the average would stay the starting weights); ``after_optimizer_step`` (update; skips a
   step the fp16 loss scaler skipped); ``on_validation_start`` / ``on_validation_end`` (swap the average in, then the
   training weights back bit for bit; ``validate_with_ema``); ``on_train_end`` (copy the average into the model
   before the engine saves it, ``swap_at_end``); ``teardown`` (put the training weights back if a validation raised).
@@ -118,7 +119,7 @@ class ExponentialMovingAverage(torchloom.Plugin):
     # ----------------------------------------------------------------------------------------------- hooks
 
     @torchloom.hookimpl
-    def on_fit_start(self, model: torch.nn.Module, accelerator) -> None:
+    def on_fit_start(self, model: torch.nn.Module, accelerator, task, progress) -> None:
         self._params = _averaged(model)
         self._world = accelerator.num_processes
         with torch.no_grad():
@@ -128,6 +129,28 @@ class ExponentialMovingAverage(torchloom.Plugin):
         if self._loaded is not None:  # a checkpoint loaded before the fit (torchloom fit --resume)
             state, self._loaded = self._loaded, None
             self.load_state_dict(state)
+        total = task.num_training_steps
+        if total is not None and total > progress.global_step and accelerator.is_main_process:
+            self._warn_if_never_updated(total - progress.global_step)
+
+    def _warn_if_never_updated(self, steps: int) -> None:
+        """Warn once when a fit of ``steps`` more optimizer steps never updates an average that was never updated."""
+        every = self.config.every
+        if self.updates or (self.steps + steps) // every:
+            return
+        uses = [
+            text
+            for on, text in (
+                (self.config.validate_with_ema, "validate_with_ema validates them"),
+                (self.config.swap_at_end, "swap_at_end puts them in place of the trained weights at the end"),
+            )
+            if on
+        ]
+        torchloom.warn(
+            f"ema: every = {every} optimizer steps, and this fit takes {steps}: the average is never updated and "
+            f"stays the weights the fit started from{'; ' + ' and '.join(uses) if uses else ''}. Set every to at "
+            f"most {self.steps + steps}, or train longer",
+        )
 
     @torchloom.hookimpl
     def after_optimizer_step(self, optimizer) -> None:

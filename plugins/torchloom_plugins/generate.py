@@ -126,7 +126,9 @@ class GenerateConfig:
             with (its last match; its first group when it has one), e.g. ``"#### (.+)"``.
         every_n_validations (`int`, defaults to 1): generate at every n-th validation pass only (generation costs
             up to ``max_new_tokens`` forward passes per batch).
-        generate_kwargs (`dict`, defaults to ``{}``): more keyword arguments of ``model.generate``.
+        generate_kwargs (`dict`, defaults to ``{}``): more keyword arguments of ``model.generate``: generation
+            settings (``transformers.GenerationConfig``'s: ``temperature``, ``num_beams``, ``use_cache`` ...) or
+            the model's own; checked against the model before training (an unknown one is a `ConfigError`).
         batch_key (`str`, defaults to ``"generation"``): the batch entry with the prompts and references.
         tokenizer (`str`, *optional*): a tokenizer directory to decode with; default the task's ``tokenizer``
             attribute (a tokenizer or its path).
@@ -197,6 +199,39 @@ class GenerateConfig:
                     "dotted path to a function (predictions, references) -> float"
                 )
         return functions
+
+
+def check_generate_kwargs(model: Any, kwargs: Mapping[str, Any]) -> None:
+    """Refuse, before training, a ``generate_kwargs`` key that ``model.generate`` would refuse at the first validation
+    pass: one that is neither an argument of ``generate``, nor a `transformers.GenerationConfig` setting, nor a
+    keyword the model takes (transformers' own check of ``generate``, run on each remaining key alone).
+
+    Raises:
+        ConfigError: naming the key, with the closest generation setting.
+    """
+    import copy
+    import inspect
+
+    from transformers import GenerationConfig
+
+    named = set(inspect.signature(model.generate).parameters) - {"kwargs", "inputs"}
+    config = copy.deepcopy(getattr(model, "generation_config", None) or GenerationConfig())
+    model_kwargs = config.update(**{k: v for k, v in kwargs.items() if k not in named})  # what it does not know
+    validate = getattr(model, "_validate_model_kwargs", None)  # what generate() checks them with (transformers)
+    if not model_kwargs or validate is None:
+        return
+    for key, value in model_kwargs.items():
+        try:
+            validate({key: value})
+        except ValueError:
+            settings = sorted(set(GenerationConfig().to_dict()) | named)
+            close = torchloom.closest_name(key, settings)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise torchloom.ConfigError(
+                f"generate: setting 'generate_kwargs' has {key!r}, which {type(model).__name__}.generate does not "
+                f"take{hint} Expected a generation setting (transformers.GenerationConfig: temperature, top_p, "
+                "num_beams, use_cache, ...) or an argument of the model's forward"
+            ) from None
 
 
 def generate_texts(
@@ -320,6 +355,7 @@ class Generate(torchloom.Plugin):
             )
         self.tokenizer = load_tokenizer(source)
         self._passes = 0
+        check_generate_kwargs(model, self.config.generate_kwargs)
 
     @torchloom.hookimpl
     def on_validation_start(self, model: torch.nn.Module, accelerator) -> None:

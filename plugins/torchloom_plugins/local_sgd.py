@@ -80,8 +80,10 @@ class LocalSGDConfig:
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
             raise ConfigError(f"setting 'sync_every' = {self.sync_every!r}: expected an integer >= 1 (optimizer steps)")
         if self.outer_optimizer is not None and self.outer_optimizer not in OUTER_OPTIMIZERS:
+            close = torchloom.closest_name(str(self.outer_optimizer), OUTER_OPTIMIZERS)
             raise ConfigError(
-                f"setting 'outer_optimizer' = {self.outer_optimizer!r}: expected null (plain averaging) or one of "
+                f"setting 'outer_optimizer' = {self.outer_optimizer!r}"
+                f"{f' (did you mean {close!r}?)' if close else ''}: expected null (plain averaging) or one of "
                 f"{', '.join(OUTER_OPTIMIZERS)}"
             )
         if not math.isfinite(self.outer_lr) or self.outer_lr <= 0:

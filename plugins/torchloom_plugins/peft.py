@@ -326,7 +326,7 @@ def quantize_linear_layers(
             # bitsandbytes 0.50 repacks a 4-bit weight in place for its CPU inference kernel at the first forward in
             # eval mode (a validation pass) and keeps it so: the training forwards after it run gemv_4bit, which has
             # no autograd kernel ("silently incorrect" gradients), and the base's bytes change. Kept off.
-            layer.support_avx512bf16_for_cpu = False
+            layer.support_avx512bf16_for_cpu = False  # type: ignore[assignment]
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     setattr(model, f"is_loaded_in_{bits}bit", True)  # peft's dispatch picks its bitsandbytes LoRA layers

@@ -14,9 +14,13 @@ Method card
 - **Off the hot path:** once the ``repeat`` cycles are done (``repeat * (wait + warmup + active)`` steps), the
   profiler is stopped; from then on ``after_optimizer_step`` only counts. A process that does not profile (every
   process but the main one, unless ``all_ranks``) never starts it.
-- **Hooks:** ``on_run_start`` (the run directory), ``on_fit_start`` (start), ``after_optimizer_step`` (step, stop
-  after the last cycle), ``on_train_end`` / ``teardown`` (stop if still running; an active phase cut short by the
-  end of training is written as it is).
+- **Hooks:** ``on_run_start`` (the run directory), ``on_fit_start`` (start; a warning when the fit is too short for
+  the schedule), ``after_optimizer_step`` (step, stop after the last cycle), ``on_train_end`` / ``teardown`` (stop if
+  still running; an active phase cut short by the end of training is written as it is).
+- **Checked at start-up:** every setting when the plugin is configured (``sort_by`` among `SORT_KEYS`, with the
+  closest one), and at ``on_fit_start`` the schedule against the fit's optimizer steps (``task.num_training_steps``
+  less the steps a resumed fit already took): a fit that ends before the first active step profiles no optimizer
+  step, and one that ends before the last cycle records fewer cycles than ``repeat``; either is said once.
 - **Sources:** PyTorch's profiler recipe ("PyTorch Profiler", ``torch.profiler.schedule``); Lightning's
   ``PyTorchProfiler``; HF Accelerate's ``ProfileKwargs``.
 """
@@ -38,6 +42,29 @@ __all__ = ["Profiler", "ProfilerConfig"]
 #: The folder of the run directory that the files go into.
 PROFILER_DIR = "profiler"
 
+#: The valid ``sort_by`` keys: the numeric columns of ``key_averages().table`` (torch 2.13,
+#: ``torch.autograd.profiler_util._build_table`` sorts by the attribute of that name, ``cuda`` / ``xpu`` read as
+#: ``device``).
+SORT_KEYS: tuple[str, ...] = (
+    "cpu_time",
+    "cpu_time_total",
+    "self_cpu_time_total",
+    "cpu_memory_usage",
+    "self_cpu_memory_usage",
+    "count",
+    *(
+        key
+        for device in ("cuda", "xpu", "device")
+        for key in (
+            f"{device}_time",
+            f"{device}_time_total",
+            f"self_{device}_time_total",
+            f"{device}_memory_usage",
+            f"self_{device}_memory_usage",
+        )
+    ),
+)
+
 
 @dataclass
 class ProfilerConfig:
@@ -54,12 +81,15 @@ class ProfilerConfig:
             by them).
         profile_memory (`bool`, defaults to False): record the tensor memory each operation allocates.
         with_stack (`bool`, defaults to False): record the Python stack of each operation (larger traces).
-        sort_by (`str`, *optional*): the table's sort key, a column of ``key_averages().table``;
-            ``None`` (the default) sorts by ``self_cuda_time_total`` on a GPU, else ``self_cpu_time_total``.
+        sort_by (`str`, *optional*): the table's sort key, a column of ``key_averages().table``: ``cpu_time``,
+            ``cpu_time_total``, ``self_cpu_time_total``, ``cpu_memory_usage``, ``self_cpu_memory_usage``,
+            ``count``, or the same with ``cuda`` (``xpu``, ``device``) for ``cpu``; ``None`` (the default) sorts by
+            ``self_cuda_time_total`` on a GPU, else ``self_cpu_time_total``.
         row_limit (`int`, defaults to 20): rows of the table; ``>= 1``.
 
     Raises:
-        ConfigError: a negative ``wait`` / ``warmup``, ``active`` / ``repeat`` / ``row_limit`` below 1.
+        ConfigError: a negative ``wait`` / ``warmup``, ``active`` / ``repeat`` / ``row_limit`` below 1, an unknown
+            ``sort_by`` (with the closest valid key).
     """
 
     wait: int = 1  # steps skipped at the start of each cycle
@@ -78,6 +108,13 @@ class ProfilerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"setting {name!r} = {value!r}; expected an integer >= {least}")
+        if self.sort_by is not None and self.sort_by not in SORT_KEYS:
+            close = torchloom.closest_name(str(self.sort_by), SORT_KEYS)
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise ConfigError(
+                f"setting 'sort_by' = {self.sort_by!r}: not a column of the operations table{hint} Valid: "
+                f"{', '.join(SORT_KEYS)}, or null"
+            )
 
     @property
     def cycle(self) -> int:
@@ -118,9 +155,12 @@ class Profiler(torchloom.Plugin):
         self._run_dir = run_dir
 
     @torchloom.hookimpl
-    def on_fit_start(self, accelerator) -> None:
+    def on_fit_start(self, accelerator, task, progress) -> None:
         self.steps, self.written, self._cycles = 0, [], 0
         self._rank = accelerator.process_index
+        total = task.num_training_steps
+        if total is not None and total > progress.global_step and accelerator.is_main_process:
+            self._warn_if_too_short(total - progress.global_step)
         if self._run_dir is None or not (self.config.all_ranks or accelerator.is_main_process):
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -138,6 +178,25 @@ class Profiler(torchloom.Plugin):
             with_stack=cfg.with_stack,
         )
         self._profiler.start()
+
+    def _warn_if_too_short(self, steps: int) -> None:
+        """Warn once when a fit of ``steps`` optimizer steps profiles none of them, or fewer cycles than ``repeat``."""
+        cfg = self.config
+        first = cfg.wait + cfg.warmup  # 0-based index of the first active optimizer step of a cycle
+        cycles = min(cfg.repeat, -(-(steps - first) // cfg.cycle)) if steps > first else 0
+        schedule = f"wait {cfg.wait}, warmup {cfg.warmup}, active {cfg.active}, repeat {cfg.repeat}"
+        if cycles == 0:
+            torchloom.warn(
+                f"profiler: this fit takes {steps} optimizer step{'s' if steps != 1 else ''}, and the schedule "
+                f"({schedule}) records from optimizer step {first + 1} on: no optimizer step will be profiled. Lower "
+                f"wait + warmup to at most {steps - 1}, or train longer",
+            )
+        elif cycles < cfg.repeat:
+            torchloom.warn(
+                f"profiler: this fit takes {steps} optimizer steps, enough for {cycles} of the {cfg.repeat} cycles of "
+                f"the schedule ({schedule}, {cfg.cycle} steps a cycle): only {cycles} will be recorded. Lower repeat "
+                f"to {cycles}, shorten the cycle, or train longer",
+            )
 
     @torchloom.hookimpl
     def after_optimizer_step(self) -> None:

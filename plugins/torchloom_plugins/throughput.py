@@ -28,7 +28,8 @@ Method card
   CUDA device's name (``device``, default from ``torch.cuda.get_device_name``) and the run's ``mixed_precision``
   (``fp32`` runs use the TF32 figure when ``torch.backends.cuda.matmul.allow_tf32`` is set). On a CPU there is no
   peak: ``mfu`` is not logged unless ``peak_flops`` is given.
-- **Hooks:** ``on_fit_start`` (the peak, the FLOPs per row, the clock), ``on_train_batch_start`` (counts, before
+- **Hooks:** ``on_fit_start`` (the peak, the FLOPs per row), ``on_train_epoch_start`` (the first one starts the
+  clock: the sanity pass before it is not training time), ``on_train_batch_start`` (counts, before
   ``training_step`` can take ``num_items`` out of the batch), ``on_train_batch_end`` (logs them; the rates when an
   optimizer step just happened), ``on_validation_end`` (restarts the clock), ``on_log`` (totals).
 - **Sources:** Lightning's ``ThroughputMonitor`` (samples, items and FLOPs per second, MFU); PaLM (Chowdhery et al.
@@ -89,7 +90,8 @@ class ThroughputConfig:
 
     Raises:
         ConfigError: a peak or ``flops_per_sample`` that is not a finite number > 0, a ``device`` not in
-            `PEAK_FLOPS`.
+            `PEAK_FLOPS`; a setting the others make unused (``device`` with ``peak_flops``; ``flops: false`` with
+            ``peak_flops``, ``device`` or ``flops_per_sample``).
     """
 
     peak_flops: float | None = None
@@ -110,6 +112,20 @@ class ThroughputConfig:
             raise torchloom.ConfigError(
                 f"throughput: setting 'device' = {self.device!r} is not in the peak table{hint} Known: "
                 f"{', '.join(names)}; or set 'peak_flops'"
+            )
+        # Combinations in which a setting would be accepted and then ignored.
+        if self.device is not None and self.peak_flops is not None:
+            raise torchloom.ConfigError(
+                f"settings 'device' = {self.device!r} and 'peak_flops' = {self.peak_flops!r}: the device only looks "
+                "up a peak, and peak_flops gives it; set one of them"
+            )
+        unused = [n for n in ("peak_flops", "device", "flops_per_sample") if getattr(self, n) is not None]
+        if self.flops is False and unused:
+            given = " and ".join(f"{n!r} = {getattr(self, n)!r}" for n in unused)
+            raise torchloom.ConfigError(
+                f"setting 'flops' = False with {given}: without FLOPs there is no flops_per_s and no mfu, which "
+                f"{'it is' if len(unused) == 1 else 'they are'} for; set flops: true (or null), or leave "
+                f"{'it' if len(unused) == 1 else 'them'} out"
             )
 
 
@@ -230,6 +246,7 @@ class Throughput(torchloom.Plugin):
         self.flops_per_row: FlopsPerRow | None = None
         self._loaded = False
         self._clock = 0.0
+        self._training = False  # whether the clock started (at the first epoch's start)
         self._window: dict[str, Any] = {}
         self._counts: dict[str, Any] | None = None
 
@@ -251,7 +268,13 @@ class Throughput(torchloom.Plugin):
         if wanted and c.flops_per_sample is None:
             self.flops_per_row = FlopsPerRow(accelerator.unwrap_model(model))
         self._window = {}
-        self._clock = time.perf_counter()
+        self._training = False  # the clock starts at the first epoch's start
+
+    @torchloom.hookimpl
+    def on_train_epoch_start(self) -> None:
+        if not self._training:  # after the sanity pass, which is not training time (and calls no validation hook)
+            self._training = True
+            self._clock = time.perf_counter()
 
     # ------------------------------------------------------------------------------------------------ per batch
 

@@ -99,7 +99,10 @@ class TrackersConfig:
             raise torchloom.ConfigError(f"setting 'log_with' = []; expected one or more of: {valid}")
         for name in self.log_with:
             if name not in TRACKERS:
-                hint = " (list the trackers by name)" if name == "all" else ""
+                close = torchloom.closest_name(str(name), TRACKERS)
+                hint = (
+                    " (list the trackers by name)" if name == "all" else f" (did you mean {close!r}?)" if close else ""
+                )
                 raise torchloom.ConfigError(
                     f"setting 'log_with': unknown tracker {name!r}{hint}; valid trackers: {valid}"
                 )

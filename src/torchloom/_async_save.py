@@ -36,7 +36,13 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from torchloom import _atomic as atomic
 from torchloom._adapter import TrainableOnly
 from torchloom._manifest import MANIFEST, _fsync_dir, hash_and_sync, publish
-from torchloom.checkpoint import _ACCELERATE_RANDOM_STATES, SaveRequest, claim_directory, without_zip_crc32
+from torchloom.checkpoint import (
+    _ACCELERATE_RANDOM_STATES,
+    SaveRequest,
+    checked_plugin_states,
+    claim_directory,
+    without_zip_crc32,
+)
 from torchloom.errors import CheckpointError, RunFileError
 from torchloom.state import encode_plugin_state, write_plugin_state
 
@@ -193,23 +199,30 @@ def check_supported(accelerator: Any) -> None:
         )
 
 
-def start_async_save(directory: str, request: SaveRequest) -> PendingCheckpoint:
+def start_async_save(directory: str, request: SaveRequest) -> PendingCheckpoint | None:
     """Copy the state of a checkpoint of ``request`` into host memory and start writing it in a thread (every
     process, at the same point, as `torchloom.checkpoint.write_checkpoint`, whose arguments these are); return at
-    once.
+    once. The state is first checked finite, before anything is copied
+    (`torchloom.checkpoint.checked_plugin_states`): ``None`` when it is not and ``request.nonfinite_loss`` is
+    ``"skip"`` / ``"ignore"`` (nothing written, a warning).
 
     Raises:
+        TaskError: the model weights, the optimizer state or a plugin's state are not finite on some process
+            (``nonfinite_loss="error"``): on every process, before anything is copied or written.
         CheckpointError: ``directory`` exists; the run's model cannot be saved this way (`check_supported`).
         PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
     """
     accelerator = request.accelerator
     check_supported(accelerator)
+    encoded = checked_plugin_states(request, list(request.plugins), own=True)
+    if encoded is None:
+        return None
     final, tmp = claim_directory(directory, accelerator)
     writer = _Writer(tmp, accelerator, request.agreement)
     main = writer.main
     (writer.tmp / "accelerate").mkdir(parents=True, exist_ok=True)
     try:
-        writer.parts = snapshot(writer, request)
+        writer.parts = snapshot(writer, request, encoded)
         if main:
             writer.base = request.manifest_base()
     except BaseException:
@@ -220,8 +233,11 @@ def start_async_save(directory: str, request: SaveRequest) -> PendingCheckpoint:
     return PendingCheckpoint(str(final), writer)
 
 
-def snapshot(writer: _Writer, request: SaveRequest) -> dict[str, Any]:
-    """The host copies of everything this process's part of the checkpoint holds (main thread)."""
+def snapshot(
+    writer: _Writer, request: SaveRequest, plugins: list[tuple[str, Any, dict[str, torch.Tensor]]] | None = None
+) -> dict[str, Any]:
+    """The host copies of everything this process's part of the checkpoint holds (main thread); ``plugins``: the
+    plugins' states already encoded (`torchloom.checkpoint.checked_plugin_states`), else encoded here."""
     accelerator = request.accelerator
     # The processes that Accelerate's `save` writes on: the main one (each node's with save_on_each_node)
     shared = accelerator.is_local_main_process if writer.save_on_each_node else accelerator.is_main_process
@@ -244,7 +260,8 @@ def snapshot(writer: _Writer, request: SaveRequest) -> dict[str, Any]:
     }
     main = writer.main
     own, mine = request.engine_parts(), request.process_part()
-    parts["plugins"] = encode_plugin_state(request.plugins, is_main_process=main, own=True)
+    encoded = plugins if plugins is not None else encode_plugin_state(request.plugins, is_main_process=main, own=True)
+    parts["plugins"] = encoded
     parts["engine"] = encode_plugin_state(own, is_main_process=main, own=True)
     parts["process"] = encode_plugin_state([mine], own=True)
     return parts

@@ -90,12 +90,16 @@ def write_atomically(path: str | os.PathLike[str], content: str | bytes | Callab
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike[str], pid: int | None = None, rename: bool = True) -> Iterator[Path]:
+def atomic_directory(
+    path: str | os.PathLike[str], pid: int | None = None, rename: bool = True, marker: str | None = None
+) -> Iterator[Path]:
     """Build the directory ``path`` under its temporary name (`temporary_path` with ``pid``, this process's by
     default) and rename it into place when the block ends without an error; remove it when it raises.
 
     Several processes may write into one such directory (pass them the same ``pid``, the main process's);
-    ``rename``: whether this process renames it (only the main one should).
+    ``rename``: whether this process renames it (only the main one should). ``marker``: the temporary directory is
+    created here, holding an empty file of that name until just before the rename, so that `remove_orphans` can tell
+    it from anything else in a folder that is not torchloom's own once a killed process left it.
 
     Raises:
         FileExistsError: ``path`` exists already (the rename never replaces a directory).
@@ -103,7 +107,12 @@ def atomic_directory(path: str | os.PathLike[str], pid: int | None = None, renam
     final = Path(path)
     tmp = temporary_path(final, pid)
     try:
+        if marker is not None:
+            tmp.mkdir()
+            (tmp / marker).touch()
         yield tmp
+        if marker is not None:
+            (tmp / marker).unlink(missing_ok=True)
         if rename and tmp.exists():
             if final.exists():
                 raise FileExistsError(f"{str(final)!r} exists already")
@@ -144,14 +153,23 @@ def in_use_elsewhere(directory: str | os.PathLike[str]) -> bool:
     return False
 
 
-def remove_orphans(folder: str | os.PathLike[str]) -> list[str]:
+def remove_orphans(folder: str | os.PathLike[str], name: str | None = None, marker: str | None = None) -> list[str]:
     """Remove the temporary entries (files or directories, see the module docstring) in ``folder`` whose process
-    no longer runs; return their names. Entries of running processes, and every other entry, are left alone."""
+    no longer runs; return their names. Entries of running processes, and every other entry, are left alone.
+
+    In a folder that is not torchloom's own (the parent of an exported model's folder, which may hold anything), give
+    ``name`` and / or ``marker`` to remove fewer: only the temporary entries of the final name ``name`` (earlier
+    attempts at the same path), and the temporary directories that hold a file ``marker`` (what a writer marks its
+    temporary directory with while it writes: `atomic_directory`'s ``marker``)."""
     removed = []
     root = Path(folder)
     for entry in root.iterdir() if root.is_dir() else ():
         match = TEMPORARY.fullmatch(entry.name)
         if match is None or pid_alive(int(match.group(2))):
+            continue
+        if (name is not None or marker is not None) and not (
+            match.group(1) == name or (marker is not None and entry.is_dir() and (entry / marker).is_file())
+        ):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

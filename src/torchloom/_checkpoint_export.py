@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 
 from torchloom._accelerator import build_accelerator
 from torchloom._adapter import describe, resume_problems
-from torchloom._atomic import atomic_directory
+from torchloom._atomic import atomic_directory, remove_orphans, write_failure
 from torchloom._default_step import DefaultTrainStep
 from torchloom._export import MODEL_CARD, load_weights, model_card
 from torchloom._guards import check_model
@@ -31,11 +31,14 @@ from torchloom._runfiles import MetricsFile
 from torchloom._setup import engine_relay
 from torchloom._strict_json import json_dumps
 from torchloom.checkpoint import MANIFEST, read_manifest, verify_files
-from torchloom.errors import CheckpointError, ConfigError
+from torchloom.errors import CheckpointError, ConfigError, RunFileError
 
 __all__ = ["export_checkpoint"]
 
 _EXPECTED = "expected a checkpoint directory (with manifest.json, as <run_dir>/checkpoints/step-00000040)"
+#: The empty file an export's temporary folder (``.<OUT>.tmp-<pid>``) holds while it is written: what tells a folder
+#: that a killed export left next to OUT from anything else there (`torchloom._atomic.remove_orphans`).
+IN_PROGRESS = ".torchloom-export-in-progress"
 
 
 def export_checkpoint(
@@ -47,6 +50,9 @@ def export_checkpoint(
     Raises:
         ConfigError: ``checkpoint`` does not exist; ``directory`` exists and is not an empty directory; more than
             one process.
+        RunFileError: the folder cannot be written (a full disk, no permission): nothing is left of it. Before it is
+            written, the temporary folders that exports killed half-way left next to it are removed (those of the
+            same ``directory``, and those marked as an export's), never anything else.
         CheckpointError: ``checkpoint`` is not a complete checkpoint, or its files do not match its manifest (a file
             added, missing or changed: refused before anything loads); its weights or its adapter do not fit the
             task's model.
@@ -93,11 +99,21 @@ def export_checkpoint(
         card["exported_from"] = str(root)
         if out.is_dir():
             out.rmdir()  # empty: the rename puts the folder there
-        with atomic_directory(out) as tmp:
-            tmp.mkdir()
-            task.save_model(str(tmp))
-            relay.call("on_save_model", directory=str(tmp), model=model, accelerator=accelerator)
-            (tmp / MODEL_CARD).write_text(json_dumps(card, indent=1) + "\n", encoding="utf-8")
+        # What exports killed half-way left next to OUT: this OUT's temporary folders, and marked ones of other OUTs.
+        remove_orphans(out.parent, name=out.name, marker=IN_PROGRESS)
+        try:
+            with atomic_directory(out, marker=IN_PROGRESS) as tmp:
+                task.save_model(str(tmp))
+                relay.call("on_save_model", directory=str(tmp), model=model, accelerator=accelerator)
+                (tmp / MODEL_CARD).write_text(json_dumps(card, indent=1) + "\n", encoding="utf-8")
+        except Exception as exc:
+            reason = write_failure(exc, out)
+            if reason is None:
+                raise
+            raise RunFileError(
+                f"export: cannot write the model of checkpoint {shown!r} to {os.fspath(directory)!r}: {reason}; "
+                "nothing was left there"
+            ) from exc
     except BaseException as exc:
         error = exc
         raise

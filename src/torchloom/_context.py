@@ -45,17 +45,17 @@ class RunContext:
     Attributes:
         log (`RunLog`): the engine's logged values.
         agreement (`RankAgreement`): the run's rank agreement.
-        saver (`Callable[[str | None], str]`, *optional*): the fit loop's ``save_checkpoint``; ``None`` outside a
+        saver (`Callable[[str | None], str | None]`, *optional*): the fit loop's ``save_checkpoint``; ``None`` outside a
             fit.
-        async_saver (`Callable[[str | None], PendingCheckpoint]`, *optional*): the fit loop's
+        async_saver (`Callable[[str | None], PendingCheckpoint | None]`, *optional*): the fit loop's
             ``save_checkpoint_async``; ``None`` outside a fit.
         stop_reason (`str`, *optional*): this process's pending stop request (the first one's reason).
     """
 
     log: RunLog
     agreement: RankAgreement
-    saver: Callable[[str | None], str] | None = None
-    async_saver: Callable[[str | None], PendingCheckpoint] | None = None
+    saver: Callable[[str | None], str | None] | None = None
+    async_saver: Callable[[str | None], PendingCheckpoint | None] | None = None
     stop_reason: str | None = None
 
 
@@ -118,7 +118,7 @@ def request_stop(reason: str) -> None:
         context.stop_reason = reason
 
 
-def save_checkpoint(directory: str | os.PathLike[str] | None = None) -> str:
+def save_checkpoint(directory: str | os.PathLike[str] | None = None) -> str | None:
     """Save the state of the running fit, so that ``fit(..., ckpt_path=...)`` continues it exactly.
 
     Call it on every process at the same point, from ``on_train_step_end`` (after an optimizer step) or
@@ -132,11 +132,17 @@ def save_checkpoint(directory: str | os.PathLike[str] | None = None) -> str:
             a stop request) whose last step's checkpoint was just saved, that checkpoint is the fit's state
             (nothing was trained since): its path is returned and nothing is written.
 
+    Before anything is written, the model's weights, the optimizer's state and every plugin's state are checked
+    finite on every process (one fused flag, one all-reduce: the save syncs anyway). A checkpoint of non-finite
+    state is never written: under the engine's ``nonfinite_loss="error"`` the fit stops, otherwise the save is
+    skipped with a warning (the first of the fit) and ``None`` is returned.
+
     Returns:
-        `str`: the path of the complete checkpoint.
+        `str` or ``None``: the path of the complete checkpoint; ``None`` when non-finite state was skipped.
 
     Raises:
         RuntimeError: no fit is running in this thread, or it is called outside those two hooks.
+        TaskError: the state is not finite (``nonfinite_loss="error"``); the message names the part and the step.
         CheckpointError: ``directory`` already exists.
         PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
         RunFileError: the files cannot be written (the disk is full, ...) on any process; nothing is left under
@@ -148,7 +154,7 @@ def save_checkpoint(directory: str | os.PathLike[str] | None = None) -> str:
     return saver(None if directory is None else os.fspath(directory))
 
 
-def save_checkpoint_async(directory: str | os.PathLike[str] | None = None) -> PendingCheckpoint:
+def save_checkpoint_async(directory: str | os.PathLike[str] | None = None) -> PendingCheckpoint | None:
     """Save the state of the running fit as `save_checkpoint` does, written in the background; return at once.
 
     At the call, on every process, the state (the model, the optimizer, the scheduler, the loss scaler, the
@@ -164,12 +170,16 @@ def save_checkpoint_async(directory: str | os.PathLike[str] | None = None) -> Pe
     Args:
         directory (`str` or `os.PathLike`, *optional*): as for `save_checkpoint`.
 
+    The state is checked finite first, as `save_checkpoint` does, before anything is copied.
+
     Returns:
-        `torchloom.PendingCheckpoint`: its ``path`` is where the checkpoint will be; ``result()`` waits for it.
+        `torchloom.PendingCheckpoint` or ``None``: its ``path`` is where the checkpoint will be; ``result()`` waits
+        for it. ``None`` when non-finite state was skipped (``nonfinite_loss`` ``"skip"`` / ``"ignore"``).
 
     Raises:
         RuntimeError: no fit is running in this thread, or it is called outside ``on_train_step_end`` /
             ``on_train_epoch_end``.
+        TaskError: the state is not finite (``nonfinite_loss="error"``).
         CheckpointError: ``directory`` already exists; the run uses FSDP or DeepSpeed.
         PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
         RunFileError: the previous save in flight failed (raised here, on every process).

@@ -2,7 +2,8 @@
 
 With several processes Accelerate pads the last batch with copies of the first samples; both passes cut them off
 the outputs (`torchloom._padding`), and the validation pass also shows the task's own torchmetrics objects only the
-real rows, so that each sample counts once.
+real rows and gives the copies of a causal-LM batch no weight (their labels -100, ``num_items`` recounted), so that
+each sample counts once; a value logged by hand that still counts them is named in a warning.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import torch
 
 from torchloom._batch_limits import limited
 from torchloom._guards import check_same_length, eval_mode
-from torchloom._padding import batch_size, real_rows, real_rows_in_metrics, take_rows
+from torchloom._padding import (
+    batch_size,
+    real_rows,
+    real_rows_in_metrics,
+    take_rows,
+    watch_hand_logged,
+    without_copies_weight,
+)
 
 __all__ = ["prediction_pass", "validation_pass"]
 
@@ -38,8 +46,13 @@ def validation_pass(task: Any, run: Any, logs: Any, progress: Any) -> None:
                 size = batch_size(batch) if rows is not None else None
                 if rows is None or size is None or rows == size:
                     outputs = task.validation_step(batch, batch_idx)
-                else:  # the whole batch (gather_for_metrics works), but the task's metrics get the real rows
-                    with real_rows_in_metrics(task, rows, size, logs.val.fail):
+                else:  # the whole batch (gather_for_metrics works), but the copies count nowhere: no weight in a
+                    # causal-LM loss, no update of the task's metrics, a warning for a value logged that counts them
+                    batch, items = without_copies_weight(batch, rows, size)
+                    with (
+                        real_rows_in_metrics(task, rows, size, logs.val.fail),
+                        watch_hand_logged(logs.val, acc, rows, size, items),
+                    ):
                         outputs = task.validation_step(batch, batch_idx)
                 if batch_end and rows != 0:
                     if rows is not None and size is not None:
@@ -71,7 +84,8 @@ def prediction_pass(task: Any, run: Any) -> list[Any]:
             if rows == 0:  # only copies on this process
                 continue
             if rows is not None and (size := batch_size(batch)) is not None:
-                outputs, batch = take_rows(outputs, rows, size), take_rows(batch, rows, size)
+                real = without_copies_weight(batch, rows, size)[0]  # num_items: the real rows' loss tokens
+                outputs, batch = take_rows(outputs, rows, size), take_rows(real, rows, size)
             if relay.implemented("on_predict_batch_end"):
                 relay.call("on_predict_batch_end", outputs=outputs, batch=batch, accelerator=acc)
             predictions.append(outputs)

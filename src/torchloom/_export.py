@@ -30,7 +30,7 @@ from torchloom._safetensors import (
     weight_files,
 )
 from torchloom._sizes import count_parameters
-from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest, verify_files
+from torchloom.checkpoint import MANIFEST, read_manifest, verify_files
 from torchloom.errors import CheckpointError, ConfigError
 
 __all__ = [
@@ -156,7 +156,9 @@ def resolve_weights(
     Raises:
         ConfigError: ``path`` does not exist; an exported model whose weight files are not safetensors, damaged
             or truncated; ``"best"`` without a ``monitor``.
-        CheckpointError: no weights there; an incomplete checkpoint or one whose files changed since it was saved.
+        CheckpointError: no weights there; an incomplete checkpoint or one whose files changed since it was saved;
+            a checkpoint that a pick of the latest (``"last"``, a run directory, an ``output_dir``) would take, or
+            any for ``"best"``, is unusable (`torchloom._checkpoint_scan`: named with why, never skipped).
         Each message begins with ``<command>: ckpt_path`` and the path, and says what it may name
         (`PREDICT_WEIGHTS`).
     """
@@ -177,7 +179,7 @@ def resolve_weights(
     if (root / MANIFEST).is_file():
         checkpoint = root
     elif is_run_dir(root):
-        found = list_checkpoints(root)
+        found = _usable_checkpoints(root, where)
         if not found:
             raise CheckpointError(
                 f"{where}: the run directory holds neither a saved model (model/, written with "
@@ -185,7 +187,7 @@ def resolve_weights(
             )
         checkpoint = Path(found[-1])
     else:
-        found = list_checkpoints(root) if root.is_dir() else []
+        found = _usable_checkpoints(root, where) if root.is_dir() else []
         if not found:
             kind = "a directory" if root.is_dir() else "a file"
             raise CheckpointError(
@@ -193,6 +195,23 @@ def resolve_weights(
             )
         checkpoint = Path(found[-1])
     return "checkpoint", _verified(checkpoint, command, shown)
+
+
+def _usable_checkpoints(root: Path, where: str, *, newest_only: bool = True) -> list[str]:
+    """The usable checkpoints under ``root`` (`torchloom._checkpoint_scan`), oldest first.
+
+    Raises:
+        CheckpointError: a checkpoint there is unusable and would have been picked (``newest_only``: newer than
+            the newest usable one; else any): named with why, never skipped in silence.
+    """
+    from torchloom._checkpoint_scan import scan_checkpoints
+
+    scan = scan_checkpoints(root)
+    hint = "; or name a checkpoint (ckpt_path PATH)"
+    refusal = scan.refusal(where, newest_only=newest_only, hint=hint)
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    return [str(candidate) for candidate, _ in scan.usable]
 
 
 def _verified(checkpoint: str | os.PathLike[str], command: str, shown: str) -> str:
@@ -216,8 +235,7 @@ def _named_checkpoint(
     name: str, command: str, output_dir: str | os.PathLike[str] | None, monitor: str | None, mode: str
 ) -> str:
     """The checkpoint ``"last"`` or ``"best"`` names among the runs of ``output_dir``."""
-    from torchloom._layout import run_directories
-    from torchloom.checkpoint import _run_checkpoints
+    from torchloom._checkpoint_scan import scan_checkpoints
     from torchloom.monitor import Monitor
 
     where = f"{command}: ckpt_path {name!r}"
@@ -229,7 +247,13 @@ def _named_checkpoint(
             "(plugins: {checkpoint: {monitor: val/loss}}); name 'last' or a path: expected " + PREDICT_WEIGHTS
         )
     root = Path(output_dir)
-    found = [entry for run in run_directories(root) for entry in _run_checkpoints(run)] if root.is_dir() else []
+    # A "best" pick reads every manifest's value: any unreadable one may have been the best; "last": a newer one
+    scan = scan_checkpoints(root)
+    hint = "; or name a checkpoint (ckpt_path PATH)"
+    refusal = scan.refusal(where, newest_only=name == "last", hint=hint)
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    found = scan.usable
     if not found:
         raise CheckpointError(
             f"{where}: the output_dir {os.fspath(output_dir)!r} holds no complete checkpoint (the 'checkpoint' plugin "

@@ -7,7 +7,7 @@ return, whether the ranks iterate the same number of batches, and whether the tr
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,6 +19,7 @@ from torchloom.errors import PluginError, TaskError
 
 __all__ = [
     "NEGATIVE_ITEMS",
+    "EmptyMicroBatches",
     "check_finite_parameters",
     "check_model",
     "check_optimizer_parameters",
@@ -27,6 +28,7 @@ __all__ = [
     "check_training",
     "eval_mode",
     "nonfinite_loss_error",
+    "nonfinite_parts",
     "optimizer_steps",
     "split_optimizers",
     "stop_iteration",
@@ -248,6 +250,7 @@ def check_training(
     epoch: int,
     overflowed: bool,
     nonfinite_loss: str,
+    culprit: Any = None,
 ) -> None:
     """Check one reduction of the training values logged over the optimizer steps ``steps`` (first, last; 1-based)
     since the previous logging step. The values are reduced over the ranks, so every rank decides alike (no rank
@@ -263,6 +266,9 @@ def check_training(
         overflowed (`bool`): the fp16 loss scaler skipped a step in this interval: under fp16 a non-finite loss
             gives non-finite gradients, which the scaler skips (and lowers its scale), an overflow it handles.
         nonfinite_loss (`str`): `EngineConfig.nonfinite_loss`; only ``"error"`` raises for a non-finite loss.
+        culprit (`Callable[[], str | None]`, *optional*): called on every process before a non-finite-loss error
+            (`EmptyMicroBatches.culprit`): the micro-batch with no loss token whose non-finite loss came before the
+            divergence, which the error names instead of giving divergence advice.
 
     Raises:
         TaskError: a negative ``num_items``; a non-finite loss in a step the loss scaler did not skip, which is a
@@ -277,7 +283,67 @@ def check_training(
     if loss is not None and nonfinite_loss == "error" and not math.isfinite(loss) and not overflowed:
         if items == 0:  # the weighted mean over no items is 0 / 0: not a divergence
             raise zero_items_error(loss, first, last, epoch)
+        where = culprit() if culprit is not None else None
+        if where is not None:
+            raise TaskError(
+                f"the training loss became {loss} in {optimizer_steps(first, last)} (epoch {epoch}) after {where} "
+                "had no loss tokens (num_items 0): its loss was not finite (a mean over no tokens is 0 / 0), and "
+                "the loss it returned gives NaN gradients too (it divides by its count, e.g. sum / mask.sum()), "
+                "which made the weights NaN; this is not a divergence, and the model is not saved. Return a loss "
+                "that is finite with no items, e.g. sum / max(count, 1), or transformers' self.model(**batch).loss"
+            )
         raise nonfinite_loss_error(loss, first, last, epoch)
+
+
+class EmptyMicroBatches:
+    """Where a micro-batch with no loss token (``num_items`` 0) had a non-finite loss, kept on the device (no
+    sync): the first such micro-batch of the fit on this process, and the last optimizer step in which a
+    micro-batch with items had a finite loss. Transformers' mean over no token is NaN with a zero gradient, which
+    the engine leaves out of ``train/loss``; a loss that divides by its count (``sum / mask.sum()``) has a NaN
+    gradient too, which makes the weights NaN: `culprit` tells that case from a divergence when the loss turns
+    non-finite."""
+
+    def __init__(self) -> None:
+        self._code: torch.Tensor | None = None  # step * 2**27 + batch_idx of the first one, or -1
+        self._epoch: torch.Tensor | None = None
+        self._finite: torch.Tensor | None = None  # the last step with a finite loss over items, or -1
+
+    def note(self, loss: torch.Tensor, items: Any, kept: Any, where: tuple[int, int, int]) -> None:
+        """Note one micro-batch: its loss, ``num_items``, ``kept`` (``num_items != 0``: a device tensor, a host bool,
+        or ``None`` without ``num_items``) and ``where`` it is (epoch, batch index in the epoch, optimizer step)."""
+        if kept is None or (kept is True and self._code is None):  # no micro-batch without items yet: nothing to do
+            return
+        epoch, batch_idx, step = where
+        bad = ~torch.isfinite(loss.detach())
+        if self._code is None:
+            self._code = torch.full((), -1.0, dtype=torch.float64, device=loss.device)
+            self._epoch = torch.full((), -1.0, dtype=torch.float64, device=loss.device)
+            self._finite = torch.full((), -1.0, dtype=torch.float64, device=loss.device)
+        assert self._epoch is not None and self._finite is not None
+        empty = ~kept if isinstance(kept, torch.Tensor) else not kept
+        first = bad & empty & (self._code < 0)
+        self._code = torch.where(first, float(step * 2**27 + batch_idx), self._code)
+        self._epoch = torch.where(first, float(epoch), self._epoch)
+        self._finite = torch.where(~bad & kept, float(step), self._finite)
+
+    def culprit(self, agreement: Any) -> str | None:
+        """On every process (one gather; only before an error): ``"micro-batch N (epoch E, optimizer step S, on
+        process R)"`` for the first micro-batch with no loss token and a non-finite loss, on any process, after
+        which no optimizer step had a finite loss over items; else ``None``."""
+        mine = None
+        if self._code is not None and self._epoch is not None and self._finite is not None:
+            mine = (float(self._code), float(self._epoch), float(self._finite))
+        found = agreement.gather(mine)
+        finite = max((f for _, _, f in filter(None, found)), default=-1.0)
+        firsts = [(m[0], rank, m[1]) for rank, m in enumerate(found) if m is not None and m[0] >= 0]
+        if not firsts:
+            return None
+        code, rank, epoch = min(firsts)
+        step, batch_idx = divmod(int(code), 2**27)
+        if finite > step:  # a later step trained on a finite loss: that micro-batch's gradient was not NaN
+            return None
+        on = f", on process {rank}" if agreement.num_processes > 1 else ""
+        return f"micro-batch {batch_idx} (epoch {int(epoch)}, optimizer step {step}{on})"
 
 
 def check_step_outputs(outputs: Any, wrappers: list[str]) -> dict[str, Any]:
@@ -323,17 +389,39 @@ def zero_items_error(value: float, first_step: int, last_step: int, epoch: int) 
     )
 
 
+def nonfinite_parts(parts: Sequence[tuple[str, Iterable[torch.Tensor]]], accelerator: Any) -> list[str]:
+    """The names of the ``parts`` (``(name, tensors)``) whose floating tensors hold NaN or inf on any process: one
+    flag per part, computed on the device and fused into one vector, one all-reduce over the processes and one
+    host read, so every process gets the same answer (call it on every process, with the same part names).
+
+    Returns:
+        `list[str]`: the names of the non-finite parts, in the order given (empty when all are finite).
+    """
+    device = accelerator.device
+    flags = []
+    for _, tensors in parts:
+        bad = [
+            (~torch.isfinite(t.detach())).any().to(device)
+            for t in tensors
+            if (t.is_floating_point() or t.is_complex()) and t.numel()
+        ]
+        flags.append(torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool, device=device))
+    if not flags:
+        return []
+    found = torch.stack(flags).to(torch.float32)
+    if accelerator.num_processes > 1:
+        found = accelerator.reduce(found, reduction="sum")
+    return [name for (name, _), count in zip(parts, found.tolist(), strict=True) if count > 0]
+
+
 def check_finite_parameters(parameters: Iterable[torch.Tensor], accelerator: Any, where: str) -> None:
-    """Raise on every rank if any rank's floating parameters hold NaN or inf (one sync, one small all-reduce).
+    """Raise on every rank if any rank's floating parameters hold NaN or inf (one sync, one small all-reduce:
+    `nonfinite_parts`).
 
     Raises:
         TaskError: a parameter is not finite (``where`` says what was about to happen).
     """
-    flags = [torch.isfinite(p.detach()).all() for p in parameters if p.is_floating_point()]
-    finite = torch.stack(flags).all().to(torch.float32) if flags else torch.ones((), device=accelerator.device)
-    if accelerator.num_processes > 1:
-        finite = accelerator.reduce(finite.to(accelerator.device), reduction="sum") / accelerator.num_processes
-    if float(finite) != 1.0:
+    if nonfinite_parts([("model weights", parameters)], accelerator):
         raise TaskError(
             f"the trained model holds NaN or infinite weights; {where}. A non-finite gradient in the last optimizer "
             "steps is the usual cause: clip gradients (grad_clip) or lower the learning rate"

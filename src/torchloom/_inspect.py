@@ -18,7 +18,10 @@ import yaml
 
 from torchloom import _strict_json
 from torchloom._adapter import is_adapter_dir, read_adapter_config
+from torchloom._checkpoint_scan import scan_checkpoints
 from torchloom._export import (
+    CARD_FORMAT,
+    CARD_VERSION,
     MODEL_CARD,
     is_exported_model,
     safetensors_summary,
@@ -26,7 +29,7 @@ from torchloom._export import (
 )
 from torchloom._layout import CHECKPOINTS_DIR, MODEL_DIR, SUMMARY_FILE, is_run_dir, run_directories
 from torchloom._lineage import read_chain, read_records
-from torchloom.checkpoint import MANIFEST, list_checkpoints, read_manifest
+from torchloom.checkpoint import MANIFEST, read_manifest
 from torchloom.errors import ConfigError
 
 __all__ = ["inspect_path"]
@@ -50,7 +53,9 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
       the plugins whose state a checkpoint holds;
     - ``global_step``, ``epoch`` (0-based, as in ``metrics.jsonl``), ``metrics`` (the latest value of each
       logged name; non-finite values as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
-    - ``checkpoints``: a run's complete checkpoints, oldest first (``path``, ``global_step``, ``epoch``);
+    - ``checkpoints``: a run's checkpoints, oldest first (``path``, ``global_step``, ``epoch``, and ``unusable``:
+      ``None``, or why it cannot be loaded (an unreadable manifest, another format version), with ``global_step``
+      and ``epoch`` ``None``; `torchloom._checkpoint_scan`); the weights are of the latest usable one;
       ``model_dir``: a run's exported model; ``size_bytes``: a checkpoint's files, all together;
     - ``adapter``: a model with a LoRA (or other peft) adapter: ``method``, ``r``, ``lora_alpha``, ``targets`` (the
       adapted modules), ``modules_to_save``, ``quantization``, ``trainable_parameters``, ``total_parameters``,
@@ -72,7 +77,7 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         ConfigError: ``path`` does not exist or is none of these; a weights file or ``config.json`` that cannot be
-            read.
+            read; a model card of another format or version than this torchloom writes.
         CheckpointError: a checkpoint whose manifest is missing, unreadable or of another format.
     """
     root = Path(path)
@@ -151,6 +156,7 @@ def _model(root: Path) -> dict[str, Any]:
     info["weights_from"] = str(root)
     card = _read_json(directory / MODEL_CARD) if root.is_dir() else None
     if card is not None:
+        _check_card(directory / MODEL_CARD, card)
         model = card.get("model") or {}
         info.update(
             model_class=model.get("class"),
@@ -183,14 +189,16 @@ def _run(root: Path) -> dict[str, Any]:
     info = _empty(root, "run")
     config = _read_yaml(root / "config.yaml") or {}
     checkpoints: list[dict[str, Any]] = []
-    for path in list_checkpoints(root):
-        manifest = read_manifest(path)
-        checkpoints.append({"path": path, "global_step": manifest.get("global_step"), "epoch": manifest.get("epoch")})
+    usable = None
+    for path, manifest, reason in scan_checkpoints(root).ordered():  # an unusable one listed with why, not hidden
+        step, epoch = (manifest.get("global_step"), manifest.get("epoch")) if manifest else (None, None)
+        checkpoints.append({"path": path, "global_step": step, "epoch": epoch, "unusable": reason})
+        usable = path if manifest is not None else usable
     model_dir = root / MODEL_DIR
     if is_exported_model(model_dir):  # the final weights of a completed fit
         source = _model(model_dir)
-    elif checkpoints:
-        source = _checkpoint(Path(checkpoints[-1]["path"]))
+    elif usable is not None:
+        source = _checkpoint(Path(usable))
     else:
         source = _empty(root, "run")
     info.update(
@@ -216,14 +224,47 @@ def _run(root: Path) -> dict[str, Any]:
     return info
 
 
+def _check_card(path: Path, card: dict[str, Any]) -> None:
+    """Refuse a model card of another format or version (a newer torchloom's): its fields may mean other things.
+    A card without ``format`` / ``version`` is read as the current one.
+
+    Raises:
+        ConfigError: names the file, its format or version, and the one this torchloom reads.
+    """
+    form, version = card.get("format", CARD_FORMAT), card.get("version", CARD_VERSION)
+    if form == CARD_FORMAT and type(version) is int and version == CARD_VERSION:
+        return
+    from torchloom._version import __version__
+
+    what = f"format {form!r}" if form != CARD_FORMAT else f"version {version!r}"
+    raise ConfigError(
+        f"inspect: {str(path)!r} is a model card of {what}; this torchloom ({__version__}) reads format "
+        f"{CARD_FORMAT!r} version {CARD_VERSION}"
+    )
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; ``None`` when there is no such file.
+
+    Raises:
+        ConfigError: it cannot be read, is empty, is not valid JSON or holds no JSON object (names the file).
+    """
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"inspect: cannot read {str(path)!r}: {exc}") from None
-    return value if isinstance(value, dict) else None
+    if not text.strip():
+        raise ConfigError(f"inspect: {str(path)!r} is empty; expected a JSON object")
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"inspect: {str(path)!r} is not valid JSON ({exc}); expected a JSON object") from None
+    if not isinstance(value, dict):
+        what = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+        raise ConfigError(f"inspect: {str(path)!r} holds {what}, not a JSON object; expected a JSON object")
+    return value
 
 
 def _read_yaml(path: Path) -> dict[str, Any] | None:

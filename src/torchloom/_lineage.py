@@ -20,6 +20,7 @@ run that saved it may still log at step 40 (the epoch's validation), and the res
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,11 +29,24 @@ from typing import Any
 
 from torchloom._atomic import write_atomically
 from torchloom._layout import CHECKPOINTS_DIR, RESUMED_FILE
+from torchloom._manifest import read_manifest
 from torchloom._strict_json import json_dumps, read_number
 from torchloom._warn import warn as warn_at_caller
-from torchloom.errors import RunFileError, TorchloomError
+from torchloom.checkpoint import _run_checkpoints
+from torchloom.errors import CheckpointError, RunFileError, TorchloomError
 
-__all__ = ["CARRIED_OVER", "Resumed", "read_chain", "read_records", "read_resumed", "training_record", "write_resumed"]
+__all__ = [
+    "CARRIED_OVER",
+    "Resumed",
+    "lineage_checkpoints",
+    "lineage_scores",
+    "read_chain",
+    "read_records",
+    "read_resumed",
+    "recorded_score",
+    "training_record",
+    "write_resumed",
+]
 
 #: The key of a ``metrics.jsonl`` record carried over from an earlier run: that run's directory.
 CARRIED_OVER = "carried_over_from"
@@ -72,6 +86,14 @@ class Resumed:
     def logged(self) -> list[tuple[int, int, dict[str, float]]]:
         """``(step, epoch, values)`` of each carried-over record: what ``on_log`` received in the earlier runs."""
         return [(r["step"], r["epoch"], {k: v for k, v in r.items() if k not in _NOT_VALUES}) for r in self.records]
+
+    def scores(self, monitor: str, output_dir: str | os.PathLike[str] | None = None) -> dict[str, float]:
+        """The value of ``monitor`` each checkpoint of the runs this fit continues was saved with (its manifest's,
+        else the latest of the records written up to it), by path, oldest first; those with none (or NaN) left
+        out. With ``output_dir``, only the checkpoints of its own runs. The ``checkpoint`` plugin ranks them with
+        its own so that ``keep_best`` keeps the best of the whole training (`lineage_scores`).
+        """
+        return lineage_scores(self, monitor, output_dir)
 
 
 def training_record(
@@ -171,6 +193,81 @@ def read_chain(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]] | None:
         return None
     chain = lineage.get("chain") if isinstance(lineage, dict) else None
     return [dict(link) for link in chain if isinstance(link, dict)] if isinstance(chain, list) else None
+
+
+def lineage_checkpoints(resumed: Resumed, output_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """The complete checkpoints of the runs a resumed fit continues (``resumed.chain``), oldest first: of each run,
+    those up to the step the next run resumed from (a checkpoint after it is of a branch that no run continued).
+    With ``output_dir``, only runs that are its own ``version_N`` directories (not links to runs elsewhere). A link
+    outside a run directory, or to a run directory that is gone, adds none."""
+    root = Path(output_dir).resolve() if output_dir is not None else None
+    found = []
+    for link in resumed.chain:
+        run_dir, step = link.get("run_dir"), link.get("global_step")
+        if not isinstance(run_dir, str) or not isinstance(step, int) or not os.path.isdir(run_dir):
+            continue
+        run = Path(run_dir)
+        if root is not None and (run.is_symlink() or run.resolve().parent != root):
+            continue  # another output_dir's run (the fit resumed from it), or one linked in: never touched
+        for candidate, manifest in _run_checkpoints(run):
+            if manifest.get("global_step", -1) <= step and not candidate.is_symlink():
+                found.append(str(candidate))
+    return found
+
+
+def recorded_score(
+    checkpoint: str | os.PathLike[str],
+    manifest: Mapping[str, Any],
+    monitor: str,
+    records: dict[str, list[dict[str, Any]]] | None = None,
+) -> float | None:
+    """The value of ``monitor`` a checkpoint was saved with, as the ``checkpoint`` plugin scored it: the value its
+    manifest recorded (the latest logged one at the save), else (a resumed run's checkpoint saved before the value
+    was logged again in that run) the latest value among the records written up to it (its run's
+    ``metrics.jsonl``, whose first lines are the records carried over from the runs it continued). ``None`` when
+    there is none, or it is NaN (never the best). ``records``: a cache of the runs' records, by run directory."""
+    value = (manifest.get("metrics") or {}).get(monitor)
+    if not _is_number(value):
+        training = manifest.get("training") or {}
+        count = training.get("records")
+        run = os.path.dirname(os.path.dirname(os.path.normpath(str(checkpoint))))
+        if not isinstance(count, int) or os.path.basename(os.path.dirname(str(checkpoint))) != CHECKPOINTS_DIR:
+            return None
+        if records is None or run not in records:
+            try:
+                found = read_records(Path(run) / "metrics.jsonl")
+            except RunFileError:
+                found = []
+            if records is not None:
+                records[run] = found
+        else:
+            found = records[run]
+        value = next((r[monitor] for r in reversed(found[:count]) if _is_number(r.get(monitor))), None)
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def lineage_scores(
+    resumed: Resumed, monitor: str, output_dir: str | os.PathLike[str] | None = None
+) -> dict[str, float]:
+    """The recorded score (`recorded_score`) of each checkpoint of the runs a resumed fit continues
+    (`lineage_checkpoints`), oldest first; those without one are left out. What the ``checkpoint`` plugin ranks
+    together with its own checkpoints' scores, so that ``keep_best`` keeps the best of the whole training (as an
+    uninterrupted fit does), not of the last run only."""
+    records: dict[str, list[dict[str, Any]]] = {}
+    scores = {}
+    for candidate in lineage_checkpoints(resumed, output_dir):
+        try:
+            manifest = read_manifest(candidate)
+        except CheckpointError:
+            continue
+        score = recorded_score(candidate, manifest, monitor, records)
+        if score is not None:
+            scores[candidate] = score
+    return scores
 
 
 def _run_dir_of(checkpoint: str) -> str | None:

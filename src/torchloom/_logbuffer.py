@@ -9,6 +9,7 @@ import torch
 from torchloom._internals import metric_is_synced
 from torchloom._metric_sync import even_list_states, gather_states, has_list_state, uneven
 from torchloom._names import INTERNAL_PREFIX
+from torchloom._warn import warn
 from torchloom.errors import TaskError
 
 __all__ = ["REDUCTIONS", "WEIGHT_PREFIX", "LogBuffer", "compute_metric"]
@@ -30,12 +31,27 @@ class LogBuffer:
     a task's ``self.log`` in ``training_step``) is kept in a list and folded with the others of its name at
     once, with one stack, when the buffer is read or the list reaches `APPEND_FOLD` entries: logging a tensor
     every step costs no device operation until the logging step.
+
+    Args:
+        zero_weights (`bool`, defaults to False): a ``mean`` value logged with weight 0 counts for nothing, even a
+            NaN one (the validation buffer's: a batch with no loss token, whose mean over no token is NaN, or a
+            process whose share of the last batch is only padding copies). The training buffer keeps the product,
+            so that the engine's non-finite check sees a NaN loss.
+
+    Attributes:
+        watch (`Callable[[str, Any, Any, str], None]`, *optional*): called with ``(name, value, weight, reduce)``
+            for every plain value logged while it is set (the validation pass sets it while ``validation_step``
+            runs on a batch padded with copies: `torchloom._padding.watch_hand_logged`).
     """
 
     #: Appended values kept per name before they are folded (bounds the memory held between logging steps).
     APPEND_FOLD = 256
 
-    def __init__(self) -> None:
+    def __init__(self, zero_weights: bool = False) -> None:
+        self.zero_weights = zero_weights
+        self.watch: Any = None
+        self._notes: list[tuple[str, str]] = []  # (name, warning) of this process, warned by `reduce` on the main one
+        self._warned: set[str] = set()  # names warned about: once per buffer (per engine), kept by `clear`
         self._values: dict[str, Any] = {}  # name -> 0-dim tensor on the values' device, or float
         self._weights: dict[str, Any] = {}  # name -> summed weight (mean only)
         self._reductions: dict[str, str] = {}
@@ -70,10 +86,11 @@ class LogBuffer:
                 if all(w == 1 for w in weights):
                     total = stacked.sum()
                 else:
-                    total = (stacked * torch.tensor(weights, dtype=dtype, device=stacked.device)).sum()
+                    w = torch.tensor(weights, dtype=dtype, device=stacked.device)
+                    total = self._weighted(stacked, w).sum()
             else:
                 w = torch.stack([torch.as_tensor(x).to(stacked.device, dtype).reshape(()) for x in weights])
-                total, total_weight = (stacked * w).sum(), w.sum()
+                total, total_weight = self._weighted(stacked, w).sum(), w.sum()
             self._values[key] = self._values.get(key, 0.0) + total
             self._weights[key] = self._weights.get(key, 0.0) + total_weight
 
@@ -113,6 +130,8 @@ class LogBuffer:
                 )
         if reduce != "mean" and not (isinstance(weight, int | float) and weight == 1):
             raise TaskError(f"log({name!r}): a weight applies to reduce='mean' only, not to reduce={reduce!r}")
+        if self.watch is not None:
+            self.watch(name, value, weight, reduce)
         if deferred and isinstance(value, torch.Tensor):  # no device operation now: one stack at the interval
             value = value.detach()
             self._append(name, value if value.ndim == 0 else value.reshape(()), weight)
@@ -125,7 +144,13 @@ class LogBuffer:
             if isinstance(weight, torch.Tensor):
                 weight = weight.detach().reshape(())
                 weight = weight.to(value.dtype if isinstance(value, torch.Tensor) else torch.float64)
-            self._values[name] = self._values.get(name, 0.0) + value * weight
+            weighted = value * weight
+            if self.zero_weights and isinstance(weighted, torch.Tensor):  # 0 for weight 0, on the device
+                zero = torch.as_tensor(weight, device=weighted.device) == 0
+                weighted = torch.where(zero, torch.zeros_like(weighted), weighted)
+            elif self.zero_weights and weight == 0:
+                weighted = 0.0
+            self._values[name] = self._values.get(name, 0.0) + weighted
             self._weights[name] = self._weights.get(name, 0.0) + weight
         elif known is None or reduce == "last":
             self._values[name] = value
@@ -141,14 +166,27 @@ class LogBuffer:
             extreme = torch.maximum if reduce == "max" else torch.minimum
             self._values[name] = extreme(previous, current)
 
+    def _weighted(self, values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``values * weights``, on the device; with `zero_weights`, 0 where the weight is 0 (even for a NaN)."""
+        product = values * weights
+        return torch.where(weights == 0, torch.zeros_like(product), product) if self.zero_weights else product
+
+    def note(self, name: str, message: str) -> None:
+        """Record a warning about ``name`` that `reduce` gives once, on the main process, whichever process noted it
+        (the notes travel with the reduction's gather); a name already warned about in this buffer is not again."""
+        if name not in self._warned and all(name != n for n, _ in self._notes):
+            self._notes.append((name, message))
+
     def fail(self, message: str) -> None:
         """Record a problem of this process that `reduce` raises as a `TaskError` on every process alike (a
         process that raised on its own would leave the others waiting in the reduction's collectives)."""
         self._failures.append(message)
 
     def clear(self) -> None:
-        """Drop everything buffered (registered metrics are forgotten, not reset)."""
+        """Drop everything buffered (registered metrics are forgotten, not reset); the names already warned about
+        are kept."""
         self._failures.clear()
+        self._notes.clear()
         self._values.clear()
         self._weights.clear()
         self._reductions.clear()
@@ -214,15 +252,17 @@ class LogBuffer:
         self._fold()
         names = sorted(n for n in self._reductions if n not in self.metrics)
         failures = [(accelerator.process_index, f) for f in self._failures]
+        notes = list(self._notes)
         if accelerator.num_processes > 1:
             # One small object gather per logging interval turns a rank logging other names (which would make
             # the reduction below mismatch or hang) into a clear error, and a problem of one rank into the same
             # error on every rank.
             signature = sorted(n if r == "mean" else f"{n} ({r})" for n, r in self._reductions.items())
-            per_rank = agreement.gather((signature, self._failures))
-            failures = [(rank, f) for rank, (_, found) in enumerate(per_rank) for f in found]
-            if not failures and any(other != signature for other, _ in per_rank):
-                listing = "; ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(per_rank))
+            per_rank = agreement.gather((signature, self._failures, self._notes))
+            failures = [(rank, f) for rank, (_, found, _) in enumerate(per_rank) for f in found]
+            notes = [note for _, _, noted in per_rank for note in noted]
+            if not failures and any(other != signature for other, _, _ in per_rank):
+                listing = "; ".join(f"rank {r}: {n}" for r, (n, _, _) in enumerate(per_rank))
                 raise TaskError(f"every process must log the same names between two logging steps; got {listing}")
         if failures:
             for metric in {id(m): m for m in self.metrics.values()}.values():
@@ -231,6 +271,11 @@ class LogBuffer:
             rank, message = failures[0]
             where = f" (on process {rank})" if accelerator.num_processes > 1 else ""
             raise TaskError(f"{message}{where}")
+        for name, message in notes:  # the first note of each name, in process order; once per buffer
+            if name not in self._warned:
+                self._warned.add(name)
+                if accelerator.process_index == 0:
+                    warn(message)
         reduced = self._reduce_values(names, accelerator, weights) if names else {}
         metrics, self.metrics = self.metrics, {}
         self.clear()

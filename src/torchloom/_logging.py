@@ -29,7 +29,7 @@ class RunLog:
     """
 
     def __init__(self) -> None:
-        self.train, self.val = LogBuffer(), LogBuffer()
+        self.train, self.val = LogBuffer(), LogBuffer(zero_weights=True)  # validation: weight 0 counts nothing
         self._buffer = self.train
         self.history: list[dict[str, Any]] = []
         self.latest: dict[str, float] = {}

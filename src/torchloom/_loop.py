@@ -24,7 +24,14 @@ from torchloom._data_position import data_order, position, resume_point
 from torchloom._evaluation import validation_pass
 from torchloom._fetch_states import Watch, resume_source
 from torchloom._fit_state import FitState
-from torchloom._guards import NEGATIVE_ITEMS, check_same_length, check_step_outputs, check_training, stop_iteration
+from torchloom._guards import (
+    NEGATIVE_ITEMS,
+    EmptyMicroBatches,
+    check_same_length,
+    check_step_outputs,
+    check_training,
+    stop_iteration,
+)
 from torchloom._layout import CHECKPOINTS_DIR
 from torchloom._lineage import Resumed, read_resumed, training_record, write_resumed
 from torchloom._logbuffer import WEIGHT_PREFIX
@@ -80,6 +87,7 @@ class FitLoop:
             logs, run.agreement, saver=self.save_checkpoint, async_saver=self.save_checkpoint_async
         )
         self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement)
+        self.empty = EmptyMicroBatches()  # where a micro-batch with no loss token had a non-finite loss (device)
         # (epoch, batches done in it, epoch finished) while a checkpoint may be saved, else None
         self._save_point: tuple[int, int, bool] | None = None
         self._watch = Watch()  # the epoch's states before the look-ahead fetch, for a checkpoint
@@ -87,6 +95,7 @@ class FitLoop:
         self._batch_start = run.relay.hook("on_train_batch_start")  # call lists: skipped while empty
         self._batch_end = run.relay.hook("on_train_batch_end")
         self._in_flight: PendingCheckpoint | None = None  # an asynchronous save not yet complete (at most one)
+        self.skipped_saves: list[int] = []  # steps whose checkpoint was not written: non-finite state (skip / ignore)
         #: A failure of ``on_fit_end`` itself, after a fit that succeeded (the engine raises it after ``teardown``).
         self.cleanup_failure: BaseException | None = None
 
@@ -235,7 +244,7 @@ class FitLoop:
 
     def _train_step(self, batch: Any, progress: Any) -> dict[str, Any]:
         """``run_train_step``; buffer its loss for logging (no host-device sync)."""
-        run = self.run
+        run, state = self.run, self.state
         outputs = run.relay.call(
             "run_train_step",
             task=self.task,
@@ -250,9 +259,20 @@ class FitLoop:
         if not isinstance(outputs, dict) or "loss" not in outputs:
             check_step_outputs(outputs, run.relay.wrappers("run_train_step"))  # raises
         loss, items = outputs["loss"], outputs.get("num_items", 1.0)
+        # A micro-batch with num_items 0 (no loss token: every label -100) has the loss 0 / 0 = NaN from a mean such
+        # as transformers' (whose gradient is 0); it weighs nothing in train/loss rather than making it NaN, on the
+        # device (no sync). A non-finite loss of one with items is a divergence, seen at the logging step.
+        kept = _has_items(items)
         if self.config.nonfinite_loss == "skip":  # the skipped micro-batches do not count in train/loss
             finite = torch.isfinite(loss)
-            loss, items = torch.where(finite, loss, 0.0), finite.to(loss.dtype) * items
+            kept = finite & kept if isinstance(kept, torch.Tensor) else finite if kept in (None, True) else False
+            items = finite.to(loss.dtype) * items
+        elif self.config.nonfinite_loss == "error":
+            self.empty.note(loss, items, kept, (state.epoch, state.batch_idx, state.global_step + 1))
+        if isinstance(kept, torch.Tensor):
+            loss = torch.where(kept, loss, torch.zeros_like(loss))
+        elif kept is False:
+            loss = torch.zeros_like(loss)
         self.logs.train.log("train/loss", loss, items)  # kept on the device, folded at the logging interval
         if isinstance(items, torch.Tensor):  # its sign is checked at the logging interval, on the device
             self.logs.train.log(NEGATIVE_ITEMS, (items < 0).to(torch.float32))
@@ -262,6 +282,14 @@ class FitLoop:
         """Count what the micro-batch's optimizer step did (`StepHooks.take_outcome`)."""
         state = self.state
         state.scaler_skipped_steps += outcome.scaler_skips
+        if outcome.empty_skips:
+            state.skipped_steps += outcome.empty_skips
+            if self.run.accelerator.is_main_process:
+                warn(
+                    f"nonfinite_loss='skip': skipped optimizer step {state.global_step + 1} (epoch {state.epoch}): "
+                    "its window had no loss token (num_items 0) on any process, so nothing moved; "
+                    f"{state.skipped_steps} step(s) skipped in this fit",
+                )
         if outcome.nonfinite_skips:
             state.skipped_steps += outcome.nonfinite_skips
             if self.run.accelerator.is_main_process:
@@ -321,6 +349,7 @@ class FitLoop:
             state.epoch,
             overflowed,
             self.config.nonfinite_loss,
+            culprit=lambda: self.empty.culprit(run.agreement),
         )
 
     def validate(self) -> dict[str, float]:
@@ -346,20 +375,21 @@ class FitLoop:
 
     # ------------------------------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, directory: str | None) -> str:
-        """`torchloom.save_checkpoint` during this fit: the fit state next to the run's and the plugins' states.
+    def save_checkpoint(self, directory: str | None) -> str | None:
+        """`torchloom.save_checkpoint` during this fit: the fit state next to the run's and the plugins' states
+        (``None``: not finite, skipped under ``nonfinite_loss`` ``"skip"`` / ``"ignore"``).
 
         Raises:
             RuntimeError: called outside ``on_train_step_end`` / ``on_train_epoch_end``.
         """
         saved = self._save(directory, asynchronous=False)
-        assert isinstance(saved, str)
+        assert saved is None or isinstance(saved, str)
         return saved
 
-    def save_checkpoint_async(self, directory: str | None) -> PendingCheckpoint:
+    def save_checkpoint_async(self, directory: str | None) -> PendingCheckpoint | None:
         """`torchloom.save_checkpoint_async` during this fit: as `save_checkpoint`, written in the background."""
         saved = self._save(directory, asynchronous=True)
-        assert isinstance(saved, PendingCheckpoint)
+        assert saved is None or isinstance(saved, PendingCheckpoint)
         return saved
 
     def settle_save(self) -> None:
@@ -385,7 +415,7 @@ class FitLoop:
         except Exception as exc:
             warn(f"the fit failed, and so did the background save of checkpoint {pending.path!r}: {exc}")
 
-    def _save(self, directory: str | None, asynchronous: bool) -> str | PendingCheckpoint:
+    def _save(self, directory: str | None, asynchronous: bool) -> str | PendingCheckpoint | None:
         if self._save_point is None:
             raise RuntimeError(
                 "save_checkpoint() must be called from on_train_step_end or on_train_epoch_end, where no "
@@ -420,6 +450,8 @@ class FitLoop:
             metrics=self.logs.latest,
             agreement=run.agreement,
             training=self._training(),
+            nonfinite_loss=self.config.nonfinite_loss,
+            skipped=self.skipped_saves,
             process_state={
                 **state.process_state_dict(),
                 "epoch_generators": generators,
@@ -428,6 +460,8 @@ class FitLoop:
             },
         )
         path = (start_async_save if asynchronous else write_checkpoint)(directory, request)
+        if path is None:  # the state is not finite: nothing written (nonfinite_loss "skip" / "ignore": warned)
+            return None
         if isinstance(path, PendingCheckpoint):
             self._in_flight = path
             self._last_saved = (state.global_step, path.path)
@@ -486,6 +520,13 @@ class FitLoop:
         if failure is not None:
             raise RunFileError(failure)
         return Start(epoch, skip, saved["random_states"], saved["epoch_generators"], saved.get("fetch_random_states"))
+
+
+def _has_items(items: Any) -> torch.Tensor | bool | None:
+    """``num_items != 0`` (a device tensor, or a host bool for a number); ``None`` for the default weight 1."""
+    if isinstance(items, torch.Tensor):
+        return items != 0
+    return None if items == 1.0 else items != 0
 
 
 def _batch_size(batch: Any, counted: int) -> int | None:

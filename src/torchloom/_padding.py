@@ -8,8 +8,15 @@ copies off the *outputs* of ``validation_step`` / ``predict_step`` (the batch it
 ``gather_for_metrics`` inside the step still works), so ``on_validation_batch_end`` consumers (metric plugins)
 and predictions see every sample exactly once; and while ``validation_step`` runs on such a batch, the
 torchmetrics objects the task holds are updated with the real rows only (`real_rows_in_metrics`: Lightning's
-idiom of a metric updated in the step and logged as the object). (pytorch/pytorch#25162,
-Lightning-AI/pytorch-lightning#4732, huggingface/accelerate#226.)
+idiom of a metric updated in the step and logged as the object).
+
+A plain value the task logs by hand from such a batch is one number the engine cannot split, so the copies get no
+weight before the step runs: in a causal-LM batch (``labels`` and ``num_items``, what
+`torchloom.data.CausalLMCollator` makes) their labels become -100 and ``num_items`` counts the real rows' loss
+tokens (`without_copies_weight`), so the documented ``self.log("val/loss", loss, weight=num_items)`` is the exact
+token mean. Any other value logged with ``reduce="mean"`` / ``"sum"`` from a padded batch is named in one warning
+(`watch_hand_logged`), unless it came after an ``accelerator.gather_for_metrics`` (which drops the copies itself).
+(pytorch/pytorch#25162, Lightning-AI/pytorch-lightning#4732, huggingface/accelerate#226.)
 """
 
 from __future__ import annotations
@@ -23,8 +30,16 @@ import torch
 from accelerate.utils import find_batch_size
 
 from torchloom._internals import loader_at_end, loader_remainder
+from torchloom.data.packing import IGNORE_INDEX, count_loss_tokens
 
-__all__ = ["batch_size", "real_rows", "real_rows_in_metrics", "take_rows"]
+__all__ = [
+    "batch_size",
+    "real_rows",
+    "real_rows_in_metrics",
+    "take_rows",
+    "watch_hand_logged",
+    "without_copies_weight",
+]
 
 
 def real_rows(loader: Any, accelerator: Any) -> int | None:
@@ -163,3 +178,85 @@ def real_rows_in_metrics(task: Any, rows: int, size: int, fail: Callable[[str], 
         for name, metric in metrics.items():
             metric.update = updates[name]
             metric.__dict__.pop("forward", None)
+
+
+def without_copies_weight(batch: Any, rows: int, size: int) -> tuple[Any, Any]:
+    """``batch`` (of ``size`` rows, the first ``rows`` real on this process) with its copies given no weight, and
+    the recounted ``num_items`` (``None`` when ``batch`` is not a causal-LM batch, returned as it is).
+
+    A causal-LM batch is a mapping with ``labels`` (one row per sample) and ``num_items`` (the loss tokens the
+    model's loss is a mean over, as `torchloom.data.CausalLMCollator` counts them, `count_loss_tokens`). The result
+    is a new mapping, the input's tensors untouched: ``num_items`` counts the real rows' loss tokens only (a 0-dim
+    tensor of the input's dtype and device, or an ``int`` where the input held one); the copies' ``labels`` are -100,
+    so the model's loss is the mean over the real rows' tokens. Where no row is real (``rows == 0``) the labels are
+    kept (a loss over no token would be NaN) and ``num_items`` is 0: the loss counts for nothing with that weight.
+    """
+    if not isinstance(batch, Mapping) or "num_items" not in batch:
+        return batch, None
+    labels, counted = batch.get("labels"), batch["num_items"]
+    if not isinstance(labels, torch.Tensor) or labels.ndim < 2 or labels.shape[0] != size:
+        return batch, None
+    items: Any = count_loss_tokens(labels[:rows])
+    if isinstance(counted, torch.Tensor):
+        items = items.to(counted.device, counted.dtype)
+    elif isinstance(counted, int | float):
+        items = type(counted)(items)  # the step gets the type it is given (one host read, once per pass)
+    if rows:
+        labels = labels.clone()
+        labels[rows:] = IGNORE_INDEX
+    result = {**batch, "labels": labels, "num_items": items}
+    return (result if type(batch) is dict else type(batch)(result)), items  # type: ignore[call-arg]
+
+
+@contextmanager
+def watch_hand_logged(buffer: Any, accelerator: Any, rows: int, size: int, items: Any) -> Iterator[None]:
+    """While ``validation_step`` runs on a batch of ``size`` rows of which only the first ``rows`` are real on this
+    process, note in ``buffer`` (`LogBuffer.note`: one warning on the main process at the reduction) every plain
+    value logged with ``reduce="mean"`` or ``"sum"`` that counts the copies, as far as the engine can tell.
+
+    Not noted: a value logged after the step called ``accelerator.gather_for_metrics`` (which drops the copies; the
+    method is wrapped for the step's duration to see the call); a mean weighted by the recounted ``num_items``
+    ``items`` (`without_copies_weight`) or by 0, and a sum of ``items``: the same object, or an equal number (read
+    from the device: once per pass, on the padded batch only). ``max``, ``min`` and ``last`` are left alone: a copy
+    repeats a real sample, so an extreme is unchanged.
+    """
+    gathered = [False]
+    original = accelerator.gather_for_metrics
+
+    def gather_for_metrics(*args: Any, **kwargs: Any) -> Any:
+        gathered[0] = True
+        return original(*args, **kwargs)
+
+    def equal(x: Any, y: Any) -> bool:
+        if x is y:
+            return True
+        if isinstance(x, bool) or not isinstance(x, torch.Tensor | int | float) or y is None:
+            return False
+        if isinstance(x, torch.Tensor) and x.numel() != 1:
+            return False
+        return float(x) == float(y)
+
+    def watch(name: str, value: Any, weight: Any, reduce: str) -> None:
+        if gathered[0] or reduce not in ("mean", "sum"):
+            return
+        counted = weight if reduce == "mean" else value
+        if equal(counted, items) or (reduce == "mean" and equal(weight, 0)):
+            return
+        buffer.note(
+            name,
+            f"validation_step logged {name!r} from a padded batch: with several processes Accelerate pads the last "
+            f"validation batch with copies of the first samples ({size - rows} of the {size} rows on process "
+            f"{accelerator.process_index}), and a value computed over the whole batch counts them, so {name!r} is "
+            "not exact. Log it over the real rows: gather per-sample values with accelerator.gather_for_metrics (it "
+            "drops the copies) and log their mean weighted by their count; for a causal-LM loss, log the model's "
+            "loss weighted by the batch's num_items, which the engine recounts over the real rows (the copies' "
+            "labels are -100 there)",
+        )
+
+    accelerator.gather_for_metrics = gather_for_metrics
+    buffer.watch = watch
+    try:
+        yield
+    finally:
+        buffer.watch = None
+        accelerator.__dict__.pop("gather_for_metrics", None)

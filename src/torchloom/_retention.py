@@ -6,19 +6,21 @@ job preempted and resumed any number of times keeps ``keep_last`` checkpoints in
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from torchloom import _atomic as atomic
 from torchloom._layout import CHECKPOINTS_DIR, run_directories
-from torchloom._lineage import Resumed
-from torchloom.checkpoint import _run_checkpoints, delete_checkpoint
+from torchloom._lineage import Resumed, lineage_checkpoints, lineage_scores, recorded_score
+from torchloom.checkpoint import MANIFEST, _run_checkpoints, delete_checkpoint
 from torchloom.errors import CheckpointError
 from torchloom.monitor import Monitor
 
-__all__ = ["lineage_checkpoints", "prune_checkpoints", "prune_lineage"]
+__all__ = ["lineage_checkpoints", "lineage_scores", "prune_checkpoints", "prune_lineage", "recorded_score"]
+
+# lineage_checkpoints, lineage_scores and recorded_score live in torchloom._lineage (a resumed fit's runs)
 
 
 def prune_checkpoints(
@@ -59,11 +61,12 @@ def prune_checkpoints(
     kept = {candidate for candidate, _, _ in found[-keep:]}
     kept |= {Path(path).resolve() for path in spare}
     if monitor is not None:
-        scored = []
+        scored: list[tuple[float, Path]] = []
+        records: dict[str, list[dict[str, Any]]] = {}
         for candidate, manifest, _ in found:
-            value = (manifest.get("metrics") or {}).get(monitor)
-            if isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value):
-                scored.append((float(value), candidate))
+            value = recorded_score(candidate, manifest, monitor, records)
+            if value is not None:
+                scored.append((value, candidate))
         scored.sort(key=lambda entry: entry[0], reverse=mode == "max")  # stable: the earlier one first on a tie
         kept |= {candidate for _, candidate in scored[:keep_best]}
     busy = {run for run in runs if atomic.in_use_elsewhere(run)}
@@ -79,26 +82,6 @@ def prune_checkpoints(
     return deleted
 
 
-def lineage_checkpoints(resumed: Resumed, output_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """The complete checkpoints of the runs a resumed fit continues (``resumed.chain``), oldest first: of each run,
-    those up to the step the next run resumed from (a checkpoint after it is of a branch that no run continued).
-    With ``output_dir``, only runs that are its own ``version_N`` directories (not links to runs elsewhere). A link
-    outside a run directory, or to a run directory that is gone, adds none."""
-    root = Path(output_dir).resolve() if output_dir is not None else None
-    found = []
-    for link in resumed.chain:
-        run_dir, step = link.get("run_dir"), link.get("global_step")
-        if not isinstance(run_dir, str) or not isinstance(step, int) or not os.path.isdir(run_dir):
-            continue
-        run = Path(run_dir)
-        if root is not None and (run.is_symlink() or run.resolve().parent != root):
-            continue  # another output_dir's run (the fit resumed from it), or one linked in: never touched
-        for candidate, manifest in _run_checkpoints(run):
-            if manifest.get("global_step", -1) <= step and not candidate.is_symlink():
-                found.append(str(candidate))
-    return found
-
-
 def prune_lineage(
     resumed: Resumed,
     keep: int,
@@ -109,7 +92,8 @@ def prune_lineage(
 ) -> list[str]:
     """Delete the checkpoints of the runs a resumed fit continues (`lineage_checkpoints`, of ``output_dir``'s own
     runs when given) that are not among the newest ``keep`` of the whole training: those, then ``newer`` (the fit's
-    own checkpoints, oldest first). Call it on the main process only. Return the checkpoints deleted, oldest first.
+    own checkpoints, oldest first; only those that are complete are counted, so the newest complete checkpoint of
+    the training is never deleted). Call it on the main process only. Return the checkpoints deleted, oldest first.
 
     This is how the ``checkpoint`` plugin's ``keep_last`` counts the training rather than the run: a job preempted
     and resumed any number of times (``torchloom fit --resume auto``) keeps at most ``keep`` checkpoints, plus the
@@ -124,7 +108,8 @@ def prune_lineage(
     if keep < 1:
         raise ValueError(f"prune_lineage: keep={keep!r}")
     earlier = lineage_checkpoints(resumed, output_dir)
-    kept = {os.path.realpath(p) for p in [*earlier, *map(str, newer)][-keep:]}
+    complete = [str(p) for p in newer if (Path(p) / MANIFEST).is_file()]  # one gone or never complete: not counted
+    kept = {os.path.realpath(p) for p in [*earlier, *complete][-keep:]}
     kept |= {os.path.realpath(p) for p in spare}
     deleted = []
     for candidate in earlier:

@@ -6,7 +6,8 @@ Every bad setting is one `ConfigError` of one shape, ``<owner>: <what>``, where 
 - an unknown name: ``engine: unknown setting 'max_epoch'; did you mean 'max_epochs'? Valid settings: max_epochs,
   ...`` (the suggestion by `torchloom._suggest.closest_name`, when one is close);
 - a value of the wrong type, by the field's annotation: ``plugin 'hello': setting 'times' = 'three' (str);
-  expected int`` (an ``int`` is taken for a ``float``, a list for a ``tuple``);
+  expected int`` (an ``int`` is taken for a ``float``, a list for a ``tuple``); a string that a ``Literal`` does not
+  allow gets the closest allowed one (``...; expected one of 'mean', 'tokens', 'items'; did you mean 'tokens'?``);
 - a value out of range, from the settings class's own checks: ``engine: setting 'max_epochs' = 0; expected a
   positive integer`` (`invalid` builds that message; a check that raises a `ValueError` or `TypeError` with a
   message gets the owner in front of it).
@@ -68,11 +69,14 @@ def check_value(owner: str, name: str, value: Any, annotation: Any) -> Any:
     """``value`` checked against the type ``annotation`` (coerced: an int to a float, a list to a tuple).
 
     Raises:
-        ConfigError: ``<owner>: setting '<name>' = <value> (<type>); expected <annotation>``.
+        ConfigError: ``<owner>: setting '<name>' = <value> (<type>); expected <annotation>``, with ``; did you mean
+            '<choice>'?`` for a string close to one a ``Literal`` allows.
     """
     ok, coerced = _check_type(value, annotation)
     if not ok:
-        raise invalid(name, value, _type_name(annotation), owner=owner, show_type=True)
+        error = invalid(name, value, _type_name(annotation), owner=owner, show_type=True)
+        close = closest_name(value, _choices(annotation)) if isinstance(value, str) else None
+        raise ConfigError(f"{error}; did you mean {close!r}?") if close else error
     return coerced
 
 
@@ -206,6 +210,15 @@ def _check_type(value: Any, tp: Any) -> tuple[bool, Any]:
     if isinstance(tp, type):
         return isinstance(value, tp), value
     return True, value
+
+
+def _choices(tp: Any) -> list[str]:
+    """The strings a ``Literal`` annotation (or a union holding one) allows, for a "did you mean"."""
+    if typing.get_origin(tp) is Literal:
+        return [a for a in typing.get_args(tp) if isinstance(a, str)]
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return [choice for arm in typing.get_args(tp) for choice in _choices(arm)]
+    return []
 
 
 def _type_name(tp: Any) -> str:

@@ -51,9 +51,11 @@ import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
 from torchloom import _atomic as atomic
+from torchloom import _checkpoint_scan as _scan
 from torchloom._adapter import TrainableOnly, describe, resume_problems
 from torchloom._atomic import temporary_path
 from torchloom._data_position import DataOrder, layout_problems
+from torchloom._guards import nonfinite_parts
 from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
 from torchloom._manifest import FORMAT as FORMAT
 from torchloom._manifest import MANIFEST, manifest_base, publish, read_manifest
@@ -62,8 +64,8 @@ from torchloom._manifest import verify_files as verify_files
 from torchloom._random_states import random_states, set_random_states
 from torchloom._replicas import REPLICA, divergent, load_replica, replica_state
 from torchloom._reshard import merged_log_state, reshard_problems, source_rank
-from torchloom.errors import CheckpointError, RunFileError
-from torchloom.state import _stateful, load_plugin_state, save_plugin_state
+from torchloom.errors import CheckpointError, RunFileError, TaskError
+from torchloom.state import _encode, _state_of, _stateful, load_plugin_state, save_plugin_state, write_plugin_state
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -103,6 +105,10 @@ class SaveRequest:
     its replica (`torchloom._replicas`) when several processes run a plugin with ``divergent_replicas``.
     ``training`` (the main process's, `torchloom._lineage.training_record`) is the manifest's ``training``: the
     whole training up to the checkpoint, which a resumed fit carries over.
+
+    ``nonfinite_loss`` (`EngineConfig.nonfinite_loss`) says what a save of non-finite state does
+    (`checked_plugin_states`): ``"error"`` raises, ``"skip"`` / ``"ignore"`` write nothing and warn; ``skipped``
+    (the fit's list) collects the global steps of the saves skipped so, and only the first of a fit warns.
     """
 
     accelerator: Any
@@ -115,6 +121,8 @@ class SaveRequest:
     agreement: Any
     process_state: dict[str, Any] | None = None
     training: Mapping[str, Any] | None = None
+    nonfinite_loss: str = "error"
+    skipped: list[int] | None = None
 
     def engine_parts(self) -> list[_Named]:
         """The main process's files under ``engine/``: the engine's state and the scheduler's, if any."""
@@ -154,22 +162,30 @@ def claim_directory(directory: str, accelerator: Any) -> tuple[Path, Path]:
     return final, temporary_path(final, pid=message[1])
 
 
-def write_checkpoint(directory: str, request: SaveRequest) -> str:
-    """Write a checkpoint of ``request`` into ``directory`` atomically (every process calls this); return its path.
+def write_checkpoint(directory: str, request: SaveRequest) -> str | None:
+    """Write a checkpoint of ``request`` into ``directory`` atomically (every process calls this); return its path,
+    or ``None`` when the state is not finite and ``request.nonfinite_loss`` is ``"skip"`` / ``"ignore"`` (nothing
+    written, a warning: `checked_plugin_states`).
 
     Raises:
+        TaskError: the model weights, the optimizer state or a plugin's state hold NaN or inf on some process
+            (``nonfinite_loss="error"``): on every process, before anything is written.
         CheckpointError: ``directory`` exists.
         RunFileError: the files cannot be written (temporary files are removed).
     """
     accelerator, model, optimizer = request.accelerator, request.model, request.optimizer
-    final, tmp = claim_directory(directory, accelerator)
     main = accelerator.is_main_process
-    plugins, mine = list(request.plugins), [request.process_part()]  # and its replica, if any
+    plugins = list(request.plugins)
+    encoded = checked_plugin_states(request, plugins, own=False)
+    if encoded is None:
+        return None
+    final, tmp = claim_directory(directory, accelerator)
+    mine = [request.process_part()]  # and its replica, if any
     if accelerator.num_processes > 1 and divergent(plugins):
         mine.append(_Named(REPLICA, lambda: replica_state(accelerator, model, optimizer), _no_load))
     try:
         # The processes agree on the outcome (`RankAgreement.first`): a write that failed on one fails on all
-        failure = request.agreement.first(_write_parts(tmp, request, plugins, mine))
+        failure = request.agreement.first(_write_parts(tmp, request, encoded, mine))
         if failure is None and main:  # every process's files are complete
             failure = publish(tmp, final, request.manifest_base())
         if accelerator.num_processes > 1:  # no process goes on before the checkpoint exists (or failed)
@@ -183,6 +199,77 @@ def write_checkpoint(directory: str, request: SaveRequest) -> str:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left on a full disk
         raise
     return str(final)
+
+
+def checked_plugin_states(
+    request: SaveRequest, plugins: list[Any], *, own: bool
+) -> list[tuple[str, Any, dict[str, torch.Tensor]]] | None:
+    """Every stateful plugin's state, called once on every process (`torchloom.state.encode_plugin_state`: host
+    copies on the main process, ``own`` as there), after the check that the checkpoint about to be written is
+    finite: the model's floating parameters, every floating tensor of the optimizer's state and of each plugin's
+    state, on every process (`torchloom._guards.nonfinite_parts`: one fused flag per part, one all-reduce, one host
+    read; a save syncs anyway). Return ``None`` when the save must be skipped.
+
+    A non-finite part stops the fit under ``request.nonfinite_loss="error"`` (raised on every process alike);
+    under ``"skip"`` / ``"ignore"`` nothing is written: the step is added to ``request.skipped``, and the first skip
+    of a fit warns (main process). Either way no checkpoint is written, so retention never counts it.
+
+    Raises:
+        TaskError: a part is not finite and ``request.nonfinite_loss`` is ``"error"``; the message names the
+            parts (``model weights``, ``optimizer state``, ``plugin 'ema' state``) and the global step.
+        PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
+    """
+    accelerator = request.accelerator
+    main = accelerator.is_main_process
+    states = [(name, _state_of(name, plugin, "to save its state")) for name, plugin in _stateful(plugins)]
+    inner = getattr(request.optimizer, "optimizer", request.optimizer)
+    optimizer_state = [v for entry in getattr(inner, "state", {}).values() for v in _tensors(entry)]
+    parts: list[tuple[str, list[torch.Tensor]]] = [
+        ("model weights", list(request.model.parameters())),
+        ("optimizer state", optimizer_state),
+        *((f"plugin {name!r} state", list(_tensors(state))) for name, state in states),
+    ]
+    bad = nonfinite_parts(parts, accelerator)
+    if bad:
+        step = int(request.engine_state["global_step"])
+        what = _listing(bad)
+        verb = "is" if len(bad) == 1 else "are"
+        if request.nonfinite_loss == "error":
+            raise TaskError(
+                f"the checkpoint of optimizer step {step} is not saved: its {what} {verb} not finite (NaN or "
+                "infinite values); stopping, nothing of it is written and the earlier checkpoints are kept. A "
+                "non-finite gradient since the last check is the usual cause: lower the learning rate, clip "
+                "gradients (grad_clip), check the data and the loss; log_every_n_steps=1 narrows down the step. "
+                "With the engine setting nonfinite_loss 'skip' or 'ignore' such a checkpoint is skipped instead"
+            )
+        skipped = request.skipped if request.skipped is not None else []
+        if main and not skipped:
+            from torchloom._warn import warn
+
+            warn(
+                f"nonfinite_loss={request.nonfinite_loss!r}: the checkpoint of optimizer step {step} is not written: "
+                f"its {what} {verb} not finite (NaN or infinite values); the earlier checkpoints are kept. Later "
+                "checkpoints of non-finite state in this fit are skipped too, without another warning",
+            )
+        skipped.append(step)
+        return None
+    return [(name, *_encode(name, state, copy=main, own=own)) for name, state in states]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a state (dicts, lists and tuples of tensors and plain values)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _listing(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 @contextlib.contextmanager
@@ -204,17 +291,20 @@ def without_zip_crc32() -> Iterator[None]:
         setter(previous)
 
 
-def _write_parts(tmp: Path, request: SaveRequest, plugins: Iterable[Any], mine: list[_Named]) -> str | None:
+def _write_parts(
+    tmp: Path, request: SaveRequest, encoded: list[tuple[str, Any, dict[str, torch.Tensor]]], mine: list[_Named]
+) -> str | None:
     """Write this process's files of a checkpoint into ``tmp`` (``mine``: its own, in ``engine/process_<rank>/``);
-    return why a write failed (`atomic.write_failure`), ``None`` when all were written. Any other error (a plugin's
-    bad state) propagates: it happens on every rank."""
+    return why a write failed (`atomic.write_failure`), ``None`` when all were written; ``encoded``: the plugins'
+    states (`checked_plugin_states`). Any other error propagates: it happens on every rank."""
     accelerator = request.accelerator
     main = accelerator.is_main_process
     try:
         with TrainableOnly(accelerator), without_zip_crc32():  # an adapted model: its adapter only, not its base
             accelerator.save_state(str(tmp / "accelerate"), safe_serialization=True)
         (tmp / "accelerate" / _ACCELERATE_RANDOM_STATES.format(accelerator.process_index)).unlink(missing_ok=True)
-        save_plugin_state(plugins, tmp / "plugins", is_main_process=main)
+        if main:
+            write_plugin_state(encoded, tmp / "plugins")
         save_plugin_state(request.engine_parts(), tmp / "engine", is_main_process=main)
         save_plugin_state(mine, tmp / "engine" / f"process_{accelerator.process_index}")
     except Exception as exc:
@@ -268,7 +358,10 @@ def find_checkpoint(path: str | os.PathLike[str]) -> str:
             ``output_dir`` (the latest checkpoint of its latest run that has one).
 
     Raises:
-        CheckpointError: ``path`` does not exist or holds no complete checkpoint.
+        CheckpointError: ``path`` does not exist or holds no complete checkpoint; or the latest checkpoint there is
+            unusable (an unreadable manifest, another format version: `torchloom._checkpoint_scan`), whether or not
+            an older one is usable: the message names each such checkpoint and why, and never resumes from an older
+            one in silence.
     """
     root = Path(path)
     if (root / MANIFEST).is_file():
@@ -279,7 +372,11 @@ def find_checkpoint(path: str | os.PathLike[str]) -> str:
     )
     if not root.exists():
         raise CheckpointError(f"cannot resume from {str(root)!r}: no such file or directory; {expected}")
-    found = list_checkpoints(root) if root.is_dir() else []
+    scan = _scan.scan_checkpoints(root) if root.is_dir() else None  # the unusable ones too (named, never skipped)
+    refusal = scan.refusal(f"cannot resume from {str(root)!r}", hint=_scan.RESUME_HINT) if scan else None
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    found = [str(candidate) for candidate, _ in scan.usable] if scan else []
     if not found:
         if root.suffix == ".safetensors" or (root / "model.safetensors").is_file():
             raise CheckpointError(

@@ -61,7 +61,9 @@ class EngineConfig:
             epoch, then a final validation only if none ran; no sanity pass, no checkpoints, no trackers, no saved
             model and no ``latest`` link (`is_fast_dev_run` tells plugins), and a one-line summary. ``max_epochs``,
             ``val_check_interval``, ``num_sanity_val_steps`` and ``save_model`` are overridden; it cannot be
-            combined with ``max_steps``, ``limit_train_batches``, ``limit_val_batches`` or ``overfit_batches``.
+            combined with ``max_steps``, ``limit_train_batches``, ``limit_val_batches`` or ``overfit_batches``,
+            nor with a resume (``fit``'s ``ckpt_path``, ``--resume``; ``"auto"`` only over an ``output_dir`` without
+            checkpoints): a `ConfigError`. Its summary never says it passed after no optimizer step.
             ``validate`` runs N validation batches too.
         limit_train_batches (`int` or `float`, *optional*): train on only this many batches of every epoch, per
             process (an integer >= 1), or this fraction of them (a float in (0, 1], rounded down; one that leaves

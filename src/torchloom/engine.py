@@ -147,21 +147,39 @@ class Engine:
                 ``resumed_from.json`` names them (see `torchloom.Resumed`). ``"auto"``: the latest complete
                 checkpoint of the engine's ``output_dir`` when it has one, else a fit from scratch (what a job that a
                 scheduler restarts passes every time, first start included; a directory named ``auto`` is
-                ``./auto``).
+                ``./auto``). Checkpoints that cannot be used are not "none": when the latest checkpoint there is
+                unusable (an unreadable ``manifest.json``, another format version; `torchloom._checkpoint_scan`),
+                the fit is refused with a `CheckpointError` naming each such checkpoint and why, even when an older
+                one is usable (as Lightning's and the HF Trainer's resume from the latest checkpoint fails on a
+                damaged one); move them away, name a checkpoint, or fit without ``ckpt_path`` to start over.
+                Not with ``fast_dev_run`` (a `ConfigError`), except ``"auto"`` over an ``output_dir`` without
+                checkpoints.
             reset_optimizer (`bool`, defaults to False): with ``ckpt_path``, start the optimizer with fresh state
                 (required when its class changed; a warning says so).
 
         Raises:
-            ConfigError: missing or empty training data, validation data without ``validation_step``, a bad setting.
+            ConfigError: missing or empty training data, validation data without ``validation_step``, a bad setting,
+                ``fast_dev_run`` with a checkpoint to resume from.
             TaskError: untrainable returns, a non-finite loss (``nonfinite_loss="error"``), ranks that disagree.
             PluginError: a plugin failed, returned something invalid, or two plugins answered one set-up hook.
-            CheckpointError: ``ckpt_path`` names no complete checkpoint, or one that this run cannot continue.
+            CheckpointError: ``ckpt_path`` names no complete checkpoint, or one that this run cannot continue; its
+                (or, with ``"auto"``, the ``output_dir``'s) latest checkpoint is unusable.
         """
-        from torchloom.checkpoint import find_checkpoint, list_checkpoints
+        from torchloom._checkpoint_scan import scan_checkpoints
+        from torchloom.checkpoint import find_checkpoint
 
         started = time.perf_counter()  # the fit's wall time, as the next resume carries it over
         if ckpt_path == AUTO:  # the output_dir's latest checkpoint, or none: the same call on every (re)start
-            ckpt_path = self.config.output_dir if list_checkpoints(self.config.output_dir) else None
+            # Checkpoints that are all unusable are not "none": find_checkpoint refuses them, naming each and why
+            scan = scan_checkpoints(self.config.output_dir)
+            ckpt_path = self.config.output_dir if scan.usable or scan.unusable else None
+        if ckpt_path is not None and self.config.is_fast_dev_run:
+            raise ConfigError(
+                f"fit: fast_dev_run = {self.config.fast_dev_run!r} cannot be combined with a resume (ckpt_path "
+                f"{os.fspath(ckpt_path)!r}, --resume): a fast_dev_run trains its batches from the start of one epoch "
+                "and saves nothing, so it would continue none of the training; expected fast_dev_run false to resume, "
+                "or no ckpt_path (no --resume) to check the run from scratch with fast_dev_run"
+            )
         self.resumed_from = find_checkpoint(ckpt_path) if ckpt_path is not None else None
         run = self._starter.start(
             task, "fit", datamodule, train_dataloader=train_dataloader, val_dataloader=val_dataloader
@@ -290,6 +308,7 @@ class Engine:
             ConfigError: ``checkpoint`` does not exist; ``directory`` exists and is not empty; several processes.
             CheckpointError: not a complete checkpoint; one whose files do not match its manifest (refused before
                 anything loads); weights or an adapter that do not fit the task's model.
+            RunFileError: the folder cannot be written (a full disk): nothing of it is left.
         """
         from torchloom._checkpoint_export import export_checkpoint
 

@@ -52,17 +52,18 @@ class TrainingInterrupted(TorchloomError):
 
     Args:
         signal_number (`int`): the signal received.
-        checkpoint (`str`): the checkpoint saved before stopping.
+        checkpoint (`str` or ``None``): the checkpoint saved before stopping; ``None`` when none could be (the state
+            was not finite under ``nonfinite_loss`` ``"skip"`` / ``"ignore"``).
         global_step (`int`): the optimizer steps completed, all saved.
 
     Attributes:
         signal_number (`int`): the signal received.
-        checkpoint (`str`): the checkpoint saved before stopping.
+        checkpoint (`str` or ``None``): the checkpoint saved before stopping.
         global_step (`int`): the optimizer steps completed, all saved.
         exit_code (`int`): 128 + ``signal_number``, the command's exit status.
     """
 
-    def __init__(self, signal_number: int, checkpoint: str, global_step: int) -> None:
+    def __init__(self, signal_number: int, checkpoint: str | None, global_step: int) -> None:
         import signal
 
         self.signal_number, self.checkpoint, self.global_step = signal_number, checkpoint, global_step
@@ -71,6 +72,12 @@ class TrainingInterrupted(TorchloomError):
             name = signal.Signals(signal_number).name
         except ValueError:
             name = f"signal {signal_number}"
+        if checkpoint is None:
+            super().__init__(
+                f"interrupted by {name} after optimizer step {global_step}; no checkpoint was saved, its state is not "
+                "finite: fit again with --resume from an earlier checkpoint (--resume auto takes the latest)"
+            )
+            return
         super().__init__(
             f"interrupted by {name} after optimizer step {global_step}; the checkpoint {checkpoint!r} holds "
             "everything to continue: fit again with --resume (or ckpt_path=...)"

@@ -81,7 +81,10 @@ class TaskModule:
             The loss as a 0-dim floating tensor, or a dict with ``"loss"`` and optional extra entries. An
             optional ``"num_items"`` (int or 0-dim tensor) is the number of items (samples, or labelled
             tokens) the loss is a mean over; the engine weights the logged loss by it, and the
-            ``grad_accum`` plugin's ``tokens`` normalisation uses it.
+            ``grad_accum`` plugin's ``tokens`` normalisation uses it. A micro-batch with ``num_items`` 0 weighs
+            nothing: its loss may be NaN (transformers' mean over no labelled token) if its gradient is zero; a
+            loss that divides by its count (``sum / count``) has a NaN gradient there, so return
+            ``sum / max(count, 1)`` (see docs/data.md).
         """
         raise NotImplementedError(f"{type(self).__name__} must define training_step(batch, batch_idx)")
 
@@ -90,7 +93,8 @@ class TaskModule:
 
         With several processes the last batch is whole, Accelerate's padding copies included (so
         ``accelerator.gather_for_metrics`` works here), but the torchmetrics objects the task holds are updated
-        with the real rows only (see `log`).
+        with the real rows only, and in a causal-LM batch (``labels`` and ``num_items``) the copies' labels are -100
+        and ``num_items`` counts the real rows' loss tokens (see `log`).
 
         Returns:
             Anything; it is passed to the ``on_validation_batch_end`` hook (metric plugins use it).
@@ -265,8 +269,16 @@ class TaskModule:
         (attributes, also inside a dict, a list or an ``nn.Module``) see only this process's real rows (each
         tensor argument of ``update`` / ``forward`` whose first dimension is the batch size is cut; a process with
         none skips the update, and ``forward`` returns NaN there). An update with no such tensor (one row per
-        token) is a `TaskError` on every process after the pass. A plain value logged from that batch includes
-        the copies: count it with ``accelerator.gather_for_metrics``.
+        token) is a `TaskError` on every process after the pass. A plain value is one number the engine cannot
+        split, so the copies get no weight where the engine can see them: in a causal-LM batch (a mapping with
+        ``labels`` and ``num_items``, as `torchloom.data.CausalLMCollator` makes) the copies' labels are -100 and
+        ``num_items`` counts the real rows' loss tokens (on a process whose share is only copies the labels stay
+        and ``num_items`` is 0), so ``self.log("val/loss", self.model(**inputs).loss, weight=batch["num_items"])``
+        is the exact token mean on any number of processes. Count other values with
+        ``accelerator.gather_for_metrics`` (it drops the copies). A value logged with ``reduce="mean"`` or
+        ``"sum"`` from a padded batch that counts the copies (neither weighted by ``num_items`` nor logged after a
+        ``gather_for_metrics``) is named in a warning, once per name, on the main process. During validation a
+        value logged with weight 0 counts for nothing, even a NaN one (the loss of a batch with no loss token).
 
         Args:
             name (`str`): the metric name, e.g. ``"val/accuracy"``.

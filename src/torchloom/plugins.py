@@ -12,6 +12,7 @@ be enabled or listed at all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -44,6 +45,9 @@ TRACE_ENV = "TORCHLOOM_TRACE_HOOKS"
 #: A plugin object's attribute naming hooks it implements but does not register, its settings making them no-ops
 #: (e.g. ``frozenset({"on_train_step_end"})``): read once, as the plugin is registered.
 INACTIVE_HOOKS_ATTR = "inactive_hooks"
+#: An exception's attribute naming the plugin whose own code raised it (set by `blame`): the hook relay then does not
+#: blame the plugin whose hook only called that code (the ``checkpoint`` plugin saving another plugin's state).
+CULPRIT_ATTR = "_torchloom_plugin"
 
 PluginSpec = Mapping[str, Any] | Sequence[Any] | None
 
@@ -290,6 +294,20 @@ def _instantiate(name: str | None, settings: Any, installed: Mapping[str, list[P
     return obj(build_config(obj, settings))
 
 
+def blame(exc: BaseException, plugin: str, operation: str, detail: str = "") -> None:
+    """Name ``plugin`` as the one whose ``operation`` raised ``exc`` (a method that is no hook: ``state_dict``,
+    ``load_state_dict``), called from another plugin's hook or from the engine: a note
+    ``torchloom: raised in <operation> of plugin '<plugin>'<detail>`` on the exception, and `CULPRIT_ATTR`, which
+    the hook relay reads so that its own note names the calling hook without blaming its plugin. An exception
+    already blamed keeps its first culprit (the innermost)."""
+    if getattr(exc, CULPRIT_ATTR, None) is not None:
+        return
+    with contextlib.suppress(AttributeError, TypeError):  # an exception type without a __dict__
+        setattr(exc, CULPRIT_ATTR, plugin)
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(f"torchloom: raised in {operation} of plugin {plugin!r}{detail}")
+
+
 def plugin_name(plugin: Any) -> str:
     """The name a plugin object is registered under: its ``name`` attribute, else its class name."""
     return getattr(plugin, "name", "") or type(plugin).__name__
@@ -485,8 +503,9 @@ class HookRelay:
         Implementations that are all plain are called here, each with the arguments it names (results that are not
         ``None`` collected; the first one returned for a ``firstresult`` hook), which costs about 0.4 µs less per
         call than ``_multicall``; wrapped ones go through ``_multicall`` with the same list. An exception gets a
-        note naming ``plugin``, else the implementation it was raised in; ``TORCHLOOM_TRACE_HOOKS`` prints the
-        call first.
+        note naming ``plugin``, else the implementation it was raised in; one that another plugin's own code raised
+        (`blame`: a ``state_dict`` the ``checkpoint`` plugin's hook called) is left to name that plugin, and the
+        note names the hook it happened in only. ``TORCHLOOM_TRACE_HOOKS`` prints the call first.
         """
         if self._trace:
             _trace_call(hook)
@@ -506,7 +525,11 @@ class HookRelay:
                 print(f"[torchloom] {hook.name} raised {exc!r}", file=sys.stderr)
             culprit = plugin or _raising_plugin(exc, hook.impls)
             if culprit is not None and isinstance(exc, Exception) and hasattr(exc, "add_note"):
-                exc.add_note(f"torchloom: raised in hook {hook.name!r} of plugin {culprit!r}")
+                named = getattr(exc, CULPRIT_ATTR, None)
+                if named is None or named == culprit:
+                    exc.add_note(f"torchloom: raised in hook {hook.name!r} of plugin {culprit!r}")
+                else:  # raised in another plugin's code that this hook called (`blame`): that plugin is named
+                    exc.add_note(f"torchloom: while hook {hook.name!r} of plugin {culprit!r} ran")
             raise
 
     # ------------------------------------------------------------------------------------------ inspection

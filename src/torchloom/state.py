@@ -48,7 +48,7 @@ from safetensors.torch import load_file, save_file
 from torchloom import _strict_json
 from torchloom._atomic import write_atomically
 from torchloom.errors import PluginError
-from torchloom.plugins import plugin_name
+from torchloom.plugins import blame, plugin_name
 
 __all__ = ["encode_plugin_state", "load_plugin_state", "save_plugin_state", "write_plugin_state"]
 
@@ -88,6 +88,7 @@ def save_plugin_state(
         PluginError: ``state_dict()`` returned something outside the contract (the message names the plugin and
             the path of the bad value), two stateful plugins share a name, or a name cannot be a file name.
         OSError: the files cannot be written.
+        Exception: whatever a plugin's ``state_dict`` raises, with a note naming the plugin (Python 3.11 and later).
     """
     encoded = encode_plugin_state(plugins, is_main_process=is_main_process)
     if is_main_process:
@@ -103,9 +104,18 @@ def encode_plugin_state(
     copies that share memory with nothing live, CPU tensors included (an asynchronous save writes them later,
     while training goes on: `torchloom._async_save`)."""
     return [
-        (name, *_encode(name, plugin.state_dict(), copy=is_main_process, own=own))
+        (name, *_encode(name, _state_of(name, plugin, "to save its state"), copy=is_main_process, own=own))
         for name, plugin in _stateful(plugins)
     ]
+
+
+def _state_of(name: str, plugin: Any, why: str) -> Any:
+    """``plugin.state_dict()``; what it raises names the plugin (`torchloom.plugins.blame`), not the caller's."""
+    try:
+        return plugin.state_dict()
+    except Exception as exc:
+        blame(exc, name, "state_dict", f" (called {why})")
+        raise
 
 
 def write_plugin_state(
@@ -167,8 +177,7 @@ def load_plugin_state(plugins: Iterable[Any], directory: str | os.PathLike[str])
         try:
             plugin.load_state_dict(state)
         except Exception as exc:
-            if hasattr(exc, "add_note"):  # Python >= 3.11
-                exc.add_note(f"torchloom: raised in load_state_dict of plugin {name!r} (state from {str(root)!r})")
+            blame(exc, name, "load_state_dict", f" (state from {str(root)!r})")
             raise
     return names
 
@@ -276,7 +285,7 @@ def _read(name: str, root: Path, plugin: Any) -> Any:
         tensors = load_file(tensor_path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise PluginError(f"{name}: cannot read {str(tensor_path)!r}: {exc}") from None
-    devices = _tensor_devices(plugin.state_dict())
+    devices = _tensor_devices(_state_of(name, plugin, f"to load its state from {str(json_path.parent)!r}"))
     used: set[str] = set()
 
     def build(node: Any, key: str) -> Any:

@@ -75,10 +75,13 @@ class StepOutcome:
     Attributes:
         nonfinite_skips (`int`): steps skipped because a loss of their window was not finite (on any process).
         scaler_skips (`int`): steps the fp16 loss scaler skipped (an overflow).
+        empty_skips (`int`): steps skipped because no micro-batch of their window had a loss token (``num_items``
+            0 everywhere, on every process; with ``nonfinite_loss="skip"``).
     """
 
     nonfinite_skips: int = 0
     scaler_skips: int = 0
+    empty_skips: int = 0
 
 
 class StepHooks:
@@ -124,6 +127,7 @@ class StepHooks:
         self._after_optimizer_step = relay.hook("after_optimizer_step")
         self._skip_nonfinite, self._agreement = skip_nonfinite, agreement
         self._window_nonfinite: torch.Tensor | None = None  # on the device: a non-finite loss in this window
+        self._window_items: torch.Tensor | bool | None = None  # a micro-batch of this window had num_items != 0
         self._outcome = StepOutcome()
         self._wrapped: Any = None  # the optimizer `_direct` was decided for
         self._direct: Any = None  # what `optimizer.step` / `zero_grad` call inside Accelerate's wrapper, or None
@@ -131,9 +135,21 @@ class StepHooks:
     def before_backward(self, outputs: dict[str, Any], accelerator: Accelerator, progress: Progress) -> None:
         """Call it after the forward pass, before ``accelerator.backward``: it fires ``before_backward`` (which may
         replace ``outputs["loss"]``: read it again afterwards), and with ``nonfinite_loss="skip"`` notes on the
-        device whether this micro-batch's loss is finite (no sync), for `optimizer_step`."""
+        device whether this micro-batch's loss is finite (no sync), for `optimizer_step`. A micro-batch whose
+        ``num_items`` is 0 (no loss token) is not a non-finite loss: its mean over no token is NaN (0 / 0) with a
+        zero gradient (transformers' loss), and it is only noted as having no items."""
         if self._skip_nonfinite:
             bad = ~torch.isfinite(outputs["loss"].detach())
+            if "num_items" in outputs:
+                count = outputs["num_items"]
+                has: torch.Tensor | bool = (
+                    (count != 0).to(bad.device) if isinstance(count, torch.Tensor) else count != 0
+                )
+                bad = bad & has
+                before = self._window_items
+                self._window_items = (
+                    has if before is None or before is False else before if has is False else has | before
+                )
             self._window_nonfinite = bad if self._window_nonfinite is None else self._window_nonfinite | bad
         if self._before_backward.impls:
             self._run(self._before_backward, {"outputs": outputs, "accelerator": accelerator, "progress": progress})
@@ -152,8 +168,10 @@ class StepHooks:
         stepped.
 
         1. With ``nonfinite_loss="skip"``: when any process saw a non-finite loss in this window (one sync and one
-           agreement per step, `RankAgreement.any`), the gradients are dropped and nothing else moves; the loop
-           counts the skip (``train/skipped_steps``).
+           agreement per step, `RankAgreement.max`), or when no micro-batch of the window had a loss token
+           (``num_items`` 0 everywhere, on every process: an update from zero gradients would still move the
+           weights through momentum and weight decay), the gradients are dropped and nothing else moves (nor the
+           scheduler); the loop counts the skip (``train/skipped_steps``).
         2. ``before_optimizer_step`` (the gradients are unscaled: clipping happens here), ``optimizer.step()``.
         3. When the fp16 loss scaler skipped the step (an overflow), the scheduler does not step and the loop
            counts it (``train/scaler_skipped_steps``; a tolerated overflow, not a non-finite-loss error);
@@ -172,10 +190,22 @@ class StepHooks:
         """
         if self._skip_nonfinite:
             flag, self._window_nonfinite = self._window_nonfinite, None
-            if flag is not None and self._agreement.any(bool(flag)):
-                optimizer.zero_grad(set_to_none=True)  # the window's gradients are dropped; nothing else moves
-                self._outcome.nonfinite_skips += 1
-                return False
+            items, self._window_items = self._window_items, None
+            if flag is not None:
+                # One sync and one agreement: 2 when this process saw a non-finite loss, else 1 when it had items
+                # (or no num_items), else 0; the largest over the processes decides.
+                if isinstance(items, torch.Tensor):
+                    bad, has = (bool(x) for x in torch.stack([flag, items.to(flag.device)]).tolist())
+                else:
+                    bad, has = bool(flag), items is None or bool(items)
+                verdict = self._agreement.max(2 if bad else int(has))
+                if verdict != 1:
+                    optimizer.zero_grad(set_to_none=True)  # the window's gradients are dropped; nothing else moves
+                    if verdict == 2:
+                        self._outcome.nonfinite_skips += 1
+                    else:
+                        self._outcome.empty_skips += 1
+                    return False
         if optimizer is not self._wrapped:
             self._wrapped, self._direct = optimizer, direct_optimizer(optimizer, accelerator)
         target = optimizer if self._direct is None else self._direct  # what the wrapper would call, directly
@@ -238,7 +268,7 @@ class StepHooks:
         window (``grad_accum``'s item count) start it again. Call it on every process at the same point (after a
         `WindowOutOfMemory`); the micro-batches redone after it are the window's only ones."""
         optimizer.zero_grad(set_to_none=True)
-        self._window_nonfinite = None
+        self._window_nonfinite = self._window_items = None
         if self._after_window_discard.impls:
             self._run(self._after_window_discard, {"accelerator": accelerator, "progress": progress})
 

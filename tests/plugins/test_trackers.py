@@ -263,7 +263,8 @@ def test_a_tracker_that_is_not_installed_is_one_config_error():
     [
         (
             {"log_with": ["tensorbord"]},
-            "setting 'log_with': unknown tracker 'tensorbord'; valid trackers: tensorboard, wandb, mlflow, aim, "
+            "setting 'log_with': unknown tracker 'tensorbord' (did you mean 'tensorboard'?); valid trackers: "
+            "tensorboard, wandb, mlflow, aim, "
             "comet_ml, clearml, dvclive, swanlab, trackio",
         ),
         ({"log_with": ["all"]}, "unknown tracker 'all' (list the trackers by name); valid trackers: tensorboard, "),

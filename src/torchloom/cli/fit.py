@@ -39,7 +39,9 @@ def take_resume_options(argv: list[str], command: str) -> tuple[list[str], dict[
     ``--resume`` alone resumes from the latest checkpoint under the run's ``output_dir``; ``--resume PATH`` (or
     ``--resume=PATH``) from a checkpoint, a run directory or an ``output_dir``; ``--resume auto`` from the latest
     checkpoint of the ``output_dir`` when there is one, else it starts fresh (the same command line for the first
-    start and every restart of a preempted job; a directory named ``auto`` is ``./auto``).
+    start and every restart of a preempted job; a directory named ``auto`` is ``./auto``). Checkpoints that are all
+    unusable are not "none", and a latest one that is unusable is not skipped: ``fit`` refuses them
+    (`torchloom.Engine.fit`). Not with ``--engine.fast_dev_run`` when there is a checkpoint to resume from.
 
     Raises:
         ConfigError: either option with a command other than ``fit``, or ``--reset_optimizer`` without ``--resume``.

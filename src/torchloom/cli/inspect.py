@@ -66,7 +66,12 @@ def _inspection_lines(info: Mapping[str, Any]) -> list[tuple[str, str]]:
     if info["stateful_plugins"] is not None:
         rows.append(("plugin state", ", ".join(info["stateful_plugins"]) or "(none)"))
     if info["checkpoints"] is not None:
-        found = [f"{c['path']}  (step {c['global_step']}, epoch {c['epoch']})" for c in info["checkpoints"]]
+        found = [
+            f"{c['path']}  (UNUSABLE: {c['unusable']})"
+            if c.get("unusable")
+            else f"{c['path']}  (step {c['global_step']}, epoch {c['epoch']})"
+            for c in info["checkpoints"]
+        ]
         rows += [("checkpoints" if i == 0 else "", line) for i, line in enumerate(found or ["(none)"])]
     if info["resumed_from"]:  # the chain of runs it continues, oldest first
         chain = [_link(link) for link in info["resumed_from"]]

@@ -28,7 +28,8 @@ def add_arguments(sub: Any) -> None:
         default=None,
         help="predict on the raw rows of this file instead of the data module's prediction data: JSON lines "
         f"(or a JSON array) or CSV ({', '.join(INPUT_SUFFIXES)}), with the columns the data module reads (its text, "
-        "image or audio column; a label column is optional), preprocessed as its validation split is; "
+        "image or audio column; a label, a completion or an assistant reply is optional: a chat without one is "
+        "rendered with the generation prompt), preprocessed as its validation split is (never packed or dropped); "
         "predictions.jsonl has one line per row, in the file's order",
     )
 

@@ -39,10 +39,10 @@ if TYPE_CHECKING:
     )
     from torchloom.data.causal_lm import (
         CausalLMData,
-        ChatData,
         LanguageModelingData,
         PromptCompletionData,
     )
+    from torchloom.data.chat import ChatData
     from torchloom.data.image import ImageClassificationData
     from torchloom.data.image_decoding import load_image
     from torchloom.data.image_folders import (
@@ -95,7 +95,7 @@ _LAZY = {
     "read_audio_folder": "torchloom.data.audio_folders",
     "CachedDataModule": "torchloom.data.base",
     "CausalLMData": "torchloom.data.causal_lm",
-    "ChatData": "torchloom.data.causal_lm",
+    "ChatData": "torchloom.data.chat",
     "LanguageModelingData": "torchloom.data.causal_lm",
     "PromptCompletionData": "torchloom.data.causal_lm",
     "DatasetCache": "torchloom.data.cache",

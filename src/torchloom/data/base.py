@@ -73,7 +73,7 @@ from torch.utils.data import DataLoader
 from torchloom._settings import invalid
 from torchloom.data.cache import DatasetCache, cache_key
 from torchloom.data.module import DataModule
-from torchloom.data.tables import encode_labels, resolve_label_names
+from torchloom.data.tables import check_rows, encode_labels, resolve_label_names
 from torchloom.errors import ConfigError
 
 __all__ = ["CachedDataModule"]
@@ -116,6 +116,9 @@ class CachedDataModule(DataModule, abc.ABC):
         cache_path (`pathlib.Path` or ``None``): the cache entry in use.
         label_names (`list[str]`): after ``setup``: the class names, in id order.
         label_names_setting (`list[str]` or ``None``): the ``label_names`` argument, validated.
+        predicting (`bool`): True while `predict_dataset` preprocesses the rows of `set_predict_input` (as the
+            validation split, named ``"<class name> predict data"``): a subclass accepts rows without labels then,
+            and keeps every row (no packing, no dropping).
         train_dataset (`datasets.Dataset` or ``None``): after ``setup``: the processed training split.
         val_dataset (`datasets.Dataset` or ``None``): after ``setup``: the processed validation split.
 
@@ -182,6 +185,9 @@ class CachedDataModule(DataModule, abc.ABC):
         self._tables: dict[str, datasets.Dataset] = {}
         #: Raw rows to predict on instead of the validation rows (`set_predict_input`); ``None``: the validation rows.
         self.predict_input: Any = None
+        #: True while `predict_dataset` preprocesses the predict input: its rows may have no labels (no label
+        #: column, no completion, no assistant reply), and every row must stay one row, in order.
+        self.predicting = False
         self._key: str | None = None
         self._settings: dict[str, Any] | None = None
 
@@ -235,13 +241,20 @@ class CachedDataModule(DataModule, abc.ABC):
         return splits
 
     def split_name(self, split: str) -> str:
-        """What error messages call ``split``: ``"<class name> <split> data"``."""
-        return f"{type(self).__name__} {split} data"
+        """What error messages call ``split``: ``"<class name> <split> data"`` (``"<class name> predict data"`` for
+        the rows `predicting` preprocesses as the validation split)."""
+        return f"{type(self).__name__} {'predict' if getattr(self, 'predicting', False) else split} data"
 
     def table(self, split: str) -> datasets.Dataset:
-        """The raw table of ``split`` (`read_split`), read once per instance (until ``setup``)."""
+        """The raw table of ``split`` (`read_split`), read once per instance (until ``setup``).
+
+        Raises:
+            ConfigError: it cannot be read, or has no rows (`check_rows`).
+        """
         if split not in self._tables:
-            self._tables[split] = self.read_split(split, self.sources()[split])
+            table = self.read_split(split, self.sources()[split])
+            check_rows(table, self.split_name(split))
+            self._tables[split] = table
         return self._tables[split]
 
     def class_names(self) -> list[str]:
@@ -358,17 +371,26 @@ class CachedDataModule(DataModule, abc.ABC):
     def predict_dataset(self) -> datasets.Dataset:
         """The rows of `set_predict_input`'s source, read and preprocessed as the validation split (after ``setup``).
 
+        Rows without a label are predicted as they are (`predicting` is True while they are preprocessed): a label
+        column that is absent, or missing in some rows (encoded as -1, datasets' "no label"), is no error here.
+
         Raises:
-            ConfigError: the input cannot be read or preprocessed; the message names it.
+            ConfigError: the input cannot be read or preprocessed, or has no rows; the message names it.
         """
         shown = os.fspath(self.predict_input) if isinstance(self.predict_input, str | os.PathLike) else "the input"
+        self.predicting = True
         try:
             table = self.read_split("validation", self.predict_input)
+            check_rows(table, "the input")
             if self.label_column is not None and self.label_column in table.column_names:
-                table = encode_labels(table, self.label_column, self.label_names, f"predict input {shown!r}")
+                table = encode_labels(
+                    table, self.label_column, self.label_names, f"predict input {shown!r}", allow_missing=True
+                )
             return self.format_split(self.preprocess("validation", table))
         except ConfigError as exc:
             raise ConfigError(f"predict input {shown!r}: {exc}") from None
+        finally:
+            self.predicting = False
 
     # --------------------------------------------------------------------------------- settings checks
 

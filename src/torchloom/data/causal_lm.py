@@ -32,21 +32,23 @@ import os
 from typing import Any, ClassVar
 
 import datasets
-import jinja2
 
 from torchloom._settings import invalid
-from torchloom.data.cache import cache_key
 from torchloom.data.packing import IGNORE_INDEX, CausalLMCollator, check_packed_attention, pack_best_fit
 from torchloom.data.tables import require_column
 from torchloom.data.text import TextData, tokenizer_fingerprint
 from torchloom.errors import ConfigError
 
-__all__ = ["CausalLMData", "ChatData", "LanguageModelingData", "PromptCompletionData"]
+__all__ = ["CausalLMData", "LanguageModelingData", "PromptCompletionData"]
 
 logger = logging.getLogger(__name__)
 
 TRUNCATIONS = ("error", "drop", "truncate_end", "truncate_prompt")
-ROLES = ("system", "user", "assistant")
+
+
+def excerpt(text: str, size: int = 40) -> str:
+    """``repr`` of ``text``, cut to ``size`` characters (ending in ``...``), for error messages."""
+    return repr(text if len(text) <= size else text[: size - 3] + "...")
 
 
 class CausalLMData(TextData):
@@ -148,7 +150,8 @@ class CausalLMData(TextData):
         return {}
 
     def required_columns(self) -> dict[str, str]:
-        """The columns every split must have, by the setting that names them."""
+        """The columns every split must have, by the setting that names them (while `predicting`, those that hold
+        labels, a completion, are left out: rows to predict on may lack them)."""
         return {}
 
     def prompt_and_reference(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], str]:
@@ -157,7 +160,8 @@ class CausalLMData(TextData):
         raise NotImplementedError
 
     def sequences(self, split: str, table: datasets.Dataset) -> list[tuple[list[int], list[int], int]]:
-        """The encoded rows of ``split`` (`encode`), one sequence each; `LanguageModelingData` overrides it."""
+        """The encoded rows of ``split`` (`encode`), one sequence each; `LanguageModelingData` overrides it (its
+        blocks; while `predicting`, one sequence per document too)."""
         return [self.encode(row, i, self.split_name(split)) for i, row in enumerate(table)]
 
     # ----------------------------------------------------------------------------------------- the pipeline
@@ -213,9 +217,11 @@ class CausalLMData(TextData):
                 "%s: %d of %d rows were longer than max_length=%d (the longest: %d tokens): %s (truncation=%r)",
                 name, overlong, len(table), self.max_length, longest, action[self.truncation], self.truncation,
             )  # fmt: skip
-        if not fitted:
+        if not fitted:  # every row was dropped for being longer than max_length (an empty table is refused before)
             raise ConfigError(
-                f"{name}: no row is left (truncation={self.truncation!r}); raise max_length={self.max_length}"
+                f"{name}: no row is left: all {len(table)} rows are longer than max_length={self.max_length} (the "
+                f"longest: {longest} tokens) and truncation='drop' leaves them out; raise max_length, or set "
+                "truncation to 'truncate_end'"
             )
         if not self.packed(split):
             columns: dict[str, list[Any]] = {"input_ids": [r[0] for r in fitted], "labels": [r[1] for r in fitted]}
@@ -233,25 +239,45 @@ class CausalLMData(TextData):
         return datasets.Dataset.from_dict(columns)
 
     def packed(self, split: str) -> bool:
-        """Whether ``split``'s rows are packed: with ``packing``, every split but a generating validation split."""
-        return self.packing and not (self.generation and split == "validation")
+        """Whether ``split``'s rows are packed: with ``packing``, every split but a generating validation split, and
+        never rows to predict on (`predicting`: each row of the input is one prediction, in order)."""
+        return self.packing and not self.predicting and not (self.generation and split == "validation")
 
     def fit(
         self, ids: list[int], labels: list[int], prompt: int, index: int, name: str
     ) -> tuple[list[int], list[int]] | None:
         """One sequence fitted to ``max_length`` by ``truncation`` (``None``: dropped), its first label -100.
 
+        While `predicting`, a row may have no loss token (a prompt without a reply), and none is dropped: a row
+        that ``truncation="drop"`` would leave out is refused, since every row of the input gets a prediction; and a
+        prompt without a reply is never cut at its end (where the reply starts).
+
         Raises:
             ConfigError: ``truncation="error"`` and the row is too long; a prompt as long as ``max_length`` that
-                cannot be cut; a completion longer than ``max_length`` under ``truncate_prompt``; no loss token left.
+                cannot be cut; a completion longer than ``max_length`` under ``truncate_prompt``; no loss token left
+                (but while `predicting`); an overlong row to predict on that would be dropped or cut at its end.
         """
         n, limit = len(ids), self.max_length
         if n > limit:
             if self.truncation == "error":
                 options = "'drop', 'truncate_end'" + (" or 'truncate_prompt'" if self.has_prompt else "")
+                if self.predicting:
+                    options = "'truncate_end'" + (" or 'truncate_prompt'" if self.has_prompt else "")
                 raise ConfigError(
                     f"{name}: row {index} has {n} tokens, more than max_length={limit}; raise max_length or set "
                     f"truncation to {options}"
+                )
+            if self.predicting and (self.truncation == "drop" or (prompt >= n and self.truncation == "truncate_end")):
+                what = (
+                    "truncation='drop' would leave it out, and every row to predict on gets a prediction"
+                    if self.truncation == "drop"
+                    else "it is a prompt without a reply, which truncation='truncate_end' would cut where the reply "
+                    "starts"
+                )
+                other = "'truncate_prompt'" if self.has_prompt else "'truncate_end'"
+                raise ConfigError(
+                    f"{name}: row {index} has {n} tokens, more than max_length={limit}, and {what}; raise max_length"
+                    + (f" or set truncation to {other}" if self.truncation == "drop" or self.has_prompt else "")
                 )
             if self.truncation == "drop":
                 return None
@@ -272,14 +298,19 @@ class CausalLMData(TextData):
                     )
                 ids, labels = ids[n - limit :], labels[n - limit :]
         labels = [IGNORE_INDEX, *labels[1:]]
-        if all(label == IGNORE_INDEX for label in labels):
-            cut = f" after truncation to max_length={limit}" if n > limit else ""
-            raise ConfigError(f"{name}: row {index} has no loss token{cut} (an empty completion or reply?)")
+        if not self.predicting and all(label == IGNORE_INDEX for label in labels):
+            if n > limit:  # its loss tokens were all past max_length: a longer one keeps them
+                raise ConfigError(
+                    f"{name}: row {index} has no loss token after truncation to max_length={limit} (its {n} tokens' "
+                    "loss tokens were all cut off); raise max_length, or set truncation='drop'"
+                )
+            raise ConfigError(f"{name}: row {index} has no loss token (an empty completion or reply?)")
         return ids, labels
 
     def setup(self, stage: str) -> None:
         """Load the splits (`CachedDataModule.setup`); for packed splits, log the packing efficiency."""
         super().setup(stage)
+        self._stage = stage
         for split, dataset in (("train", self.train_dataset), ("validation", self.val_dataset)):
             if self.packed(split) and dataset is not None and len(dataset):
                 real = sum(dataset["length"])
@@ -311,8 +342,17 @@ class CausalLMData(TextData):
 
     def check_model(self, model: Any) -> None:
         """With ``packing=True``, refuse a model whose attention would mix packed sequences
-        (`check_packed_attention`); the engine calls it after ``configure_model``. Does nothing without packing."""
-        if self.packing:
+        (`check_packed_attention`); the engine calls it after ``configure_model``. Does nothing without packing, or
+        when the stage of the last ``setup`` serves no packed row: a validation or prediction whose validation split
+        is not packed (``generation``), or a prediction on `set_predict_input`'s rows (never packed)."""
+        stage = getattr(self, "_stage", "fit")
+        if stage == "fit":
+            packed = self.packing
+        elif stage == "predict" and self.predict_input is not None:
+            packed = False
+        else:
+            packed = self.packed("validation")
+        if packed:
             check_packed_attention(model)
 
     def text(self, row: dict[str, Any], column: str, index: int, name: str, allow_empty: bool = False) -> str:
@@ -326,6 +366,19 @@ class CausalLMData(TextData):
     def tokens(self, text: str) -> list[int]:
         """``text`` tokenised without special tokens."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def content_tokens(self, row: dict[str, Any], column: str, index: int, name: str) -> list[int]:
+        """The tokens of the text a loss is taken on (a document, a completion): `text`, refusing one the tokenizer
+        turns into no token at all (whitespace, characters it drops), which would leave only BOS / EOS to train on.
+        """
+        value = self.text(row, column, index, name)
+        ids = self.tokens(value)
+        if not ids:
+            raise ConfigError(
+                f"{name}: column {column!r} in row {index} is {excerpt(value)}, which the tokenizer turns into no "
+                "token, so only the special tokens around it would be trained on; expected text with words"
+            )
+        return ids
 
 
 class LanguageModelingData(CausalLMData):
@@ -374,14 +427,27 @@ class LanguageModelingData(CausalLMData):
         return {"text_column": self.text_column, "concatenate": self.concatenate}
 
     def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
-        ids = self.bos() + self.tokens(self.text(row, self.text_column, index, name)) + self.eos()
+        ids = self.bos() + self.content_tokens(row, self.text_column, index, name) + self.eos()
         return ids, list(ids), 0
 
     def sequences(self, split: str, table: datasets.Dataset) -> list[tuple[list[int], list[int], int]]:
-        if not self.concatenate:
+        """With ``concatenate``, the blocks of ``max_length`` tokens the documents make, joined (the last, partial
+        block left out, logged); while `predicting`, one sequence per document (one prediction per row).
+
+        Raises:
+            ConfigError: ``concatenate`` and the split's tokens are fewer than one block (lower ``max_length``, or
+                add data).
+        """
+        if not self.concatenate or self.predicting:
             return super().sequences(split, table)
-        stream = [t for i, row in enumerate(table) for t in self.encode(row, i, self.split_name(split))[0]]
+        name = self.split_name(split)
+        stream = [t for i, row in enumerate(table) for t in self.encode(row, i, name)[0]]
         size = self.max_length
+        if len(stream) < size:
+            raise ConfigError(
+                f"{name}: concatenate=True: its {len(table)} rows make {len(stream)} tokens, fewer than one block of "
+                f"max_length={size}, so no block is left; lower max_length to at most {len(stream)}, or add data"
+            )
         if len(stream) % size:
             logger.warning(
                 "%s: concatenate=True: the last %d tokens (less than a block of max_length=%d) are left out",
@@ -425,164 +491,41 @@ class PromptCompletionData(CausalLMData):
         self.completion_only = completion_only
 
     def required_columns(self) -> dict[str, str]:
+        if self.predicting:  # prompts without a completion are predicted on
+            return {"prompt_column": self.prompt_column}
         return {"prompt_column": self.prompt_column, "completion_column": self.completion_column}
+
+    def unanswered(self, row: dict[str, Any]) -> bool:
+        """While `predicting`: whether ``row`` is a prompt alone (no completion column, or its value null or "")."""
+        return self.predicting and row.get(self.completion_column) in (None, "")
 
     def format_settings(self) -> dict[str, Any]:
         return {"columns": [self.prompt_column, self.completion_column], "completion_only": self.completion_only}
 
     def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
+        """``(BOS, prompt, completion, EOS)``, the labels masked on the prompt with ``completion_only``. While
+        `predicting`, a row without a completion is (BOS and) its prompt alone, with no loss token.
+
+        Raises:
+            ConfigError: the completion is missing, not a string, empty or makes no token; a prompt to predict on
+                that makes no token.
+        """
         prompt = self.bos() + self.tokens(self.text(row, self.prompt_column, index, name, allow_empty=True))
-        completion = self.tokens(self.text(row, self.completion_column, index, name)) + self.eos()
+        if self.unanswered(row):
+            if not prompt:
+                raise ConfigError(
+                    f"{name}: row {index} has an empty prompt and no completion, so there is nothing to predict on; "
+                    f"expected a non-empty {self.prompt_column!r}"
+                )
+            return prompt, [IGNORE_INDEX] * len(prompt), len(prompt)
+        completion = self.content_tokens(row, self.completion_column, index, name) + self.eos()
         masked = [IGNORE_INDEX] * len(prompt) if self.completion_only else list(prompt)
         return prompt + completion, masked + completion, len(prompt)
 
     def prompt_and_reference(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], str]:
-        """The prompt's tokens, as in `encode` (BOS first), and the completion text."""
+        """The prompt's tokens, as in `encode` (BOS first), and the completion text ("" for a prompt to predict on
+        without one)."""
         prompt = self.bos() + self.tokens(self.text(row, self.prompt_column, index, name, allow_empty=True))
+        if self.unanswered(row):
+            return prompt, ""
         return prompt, self.text(row, self.completion_column, index, name)
-
-
-class ChatData(CausalLMData):
-    """Conversations: a column of messages (``{"role": ..., "content": ...}``) rendered with a chat template.
-
-    Roles are ``system`` (first only), then ``user`` and ``assistant`` turns alternating, starting with ``user``,
-    with at least one ``assistant`` message. The template is ``chat_template`` or the tokenizer's own; the
-    rendered text is tokenised without adding special tokens (the template writes them). The assistant spans are
-    the characters each assistant message adds to the rendering, after the generation prompt (rendering the
-    conversation prefix by prefix, each a prefix of the next), mapped to tokens by their offsets (a fast tokenizer).
-
-    Args:
-        messages_column (`str`, defaults to ``"messages"``): the conversations.
-        chat_template (`str`, *optional*): a Jinja chat template; defaults to the tokenizer's.
-        assistant_only (`bool`, defaults to True): take the loss on the assistant messages only (what the template
-            writes for them, its end-of-turn tokens included); False: on every token.
-        **settings: those of `CausalLMData`.
-    """
-
-    kind = "torchloom.data.causal_lm.ChatData"
-    can_generate = True  # the conversation up to its last assistant message
-
-    def __init__(
-        self,
-        train: Any = None,
-        validation: Any = None,
-        *,
-        messages_column: str = "messages",
-        chat_template: str | None = None,
-        assistant_only: bool = True,
-        **settings: Any,
-    ) -> None:
-        self.check_column("messages_column", messages_column)
-        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
-            raise invalid("chat_template", chat_template, "a Jinja template string or None", owner=type(self).__name__)
-        if not isinstance(assistant_only, bool):
-            raise invalid("assistant_only", assistant_only, "true or false", owner=type(self).__name__)
-        super().__init__(train, validation, **settings)
-        self.messages_column, self.chat_template, self.assistant_only = messages_column, chat_template, assistant_only
-
-    def template(self) -> str:
-        """The chat template in use.
-
-        Raises:
-            ConfigError: no ``chat_template`` and the tokenizer has none.
-        """
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not isinstance(template, str) or not template:
-            raise ConfigError(
-                f"{type(self).__name__}: tokenizer {os.fspath(self.tokenizer_name)!r} has no chat template; set "
-                "chat_template to a Jinja template, or use a tokenizer that ships one"
-            )
-        return template
-
-    def required_columns(self) -> dict[str, str]:
-        return {"messages_column": self.messages_column}
-
-    def format_settings(self) -> dict[str, Any]:
-        return {
-            "messages_column": self.messages_column,
-            "chat_template": cache_key(template=self.template()),
-            "assistant_only": self.assistant_only,
-        }
-
-    def check_messages(self, messages: Any, index: int, name: str) -> list[dict[str, str]]:
-        """The conversation of row ``index``, checked: roles known and in order, contents strings."""
-        if not isinstance(messages, list) or not messages:
-            raise ConfigError(f"{name}: row {index}: messages is {messages!r}; expected a non-empty list of messages")
-        checked, previous = [], None
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                raise ConfigError(
-                    f"{name}: row {index} message {i} is {message!r}; expected a role and a string content"
-                )
-            role = message.get("role")
-            if role not in ROLES:
-                raise ConfigError(
-                    f"{name}: row {index} message {i} has role {role!r}; expected one of {', '.join(ROLES)}"
-                )
-            if role == "system":
-                in_order = i == 0
-            elif role == "user":
-                in_order = previous in (None, "system", "assistant")
-            else:
-                in_order = previous == "user"
-            if not in_order:
-                raise ConfigError(
-                    f"{name}: row {index} message {i} has role {role!r} after {previous or 'the start'}; expected "
-                    "an optional system message, then user and assistant turns alternating, starting with user"
-                )
-            previous = role
-            checked.append({"role": role, "content": message["content"]})
-        if not any(m["role"] == "assistant" for m in checked):
-            raise ConfigError(f"{name}: row {index} has no assistant message; expected at least one to train on")
-        return checked
-
-    def render(self, messages: list[dict[str, str]], index: int, name: str, generation: bool = False) -> str:
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template(), tokenize=False, add_generation_prompt=generation
-            )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
-            raise ConfigError(
-                f"{name}: the chat template does not render row {index}: {type(exc).__name__}: {exc}"
-            ) from None
-        if not isinstance(text, str):
-            raise ConfigError(f"{name}: the chat template rendered row {index} as {type(text).__name__}; expected text")
-        return text
-
-    def encode(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], list[int], int]:
-        messages = self.check_messages(row[self.messages_column], index, name)
-        full = self.render(messages, index, name)
-        if not self.assistant_only:
-            ids = self.tokens(full)
-            return ids, list(ids), 0
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            end = self.render(messages[: i + 1], index, name)
-            start = self.render(messages[:i], index, name, generation=True)
-            if not start or not end.startswith(start):
-                start = self.render(messages[:i], index, name)
-            if not full.startswith(end) or not end.startswith(start):
-                raise ConfigError(
-                    f"{name}: the chat template does not render row {index} prefix by prefix (the rendering of its "
-                    f"first {i + 1} messages does not start the next one), so the assistant tokens cannot be found; "
-                    "use a template that appends each message, or set assistant_only=False"
-                )
-            spans.append((len(start), len(end)))
-        if not getattr(self.tokenizer, "is_fast", False):
-            raise ConfigError(f"{type(self).__name__}: assistant_only needs a fast tokenizer (token offsets)")
-        encoded = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(encoded["input_ids"])
-        labels = [
-            token if any(a <= s < b for a, b in spans) and e > s else IGNORE_INDEX
-            for token, (s, e) in zip(ids, encoded["offset_mapping"])
-        ]
-        return ids, labels, 0
-
-    def prompt_and_reference(self, row: dict[str, Any], index: int, name: str) -> tuple[list[int], str]:
-        """The conversation before its last assistant message, rendered with the generation prompt and tokenised,
-        and that message's content."""
-        messages = self.check_messages(row[self.messages_column], index, name)
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        return self.tokens(self.render(messages[:last], index, name, generation=True)), messages[last]["content"]

@@ -282,7 +282,9 @@ class ImageClassificationData(CachedDataModule):
 
     def format_split(self, dataset: datasets.Dataset) -> datasets.Dataset:
         """``pixel_values`` and ``labels`` as torch tensors."""
-        return dataset.with_format("torch", columns=["pixel_values", "labels"])
+        return dataset.with_format(
+            "torch", columns=[c for c in ("pixel_values", "labels") if c in dataset.column_names]
+        )
 
     def collate_fn(self, split: str) -> ImageAugmentation | None:
         """Training batches: `ImageAugmentation` when it does anything; validation batches: stacked as they are."""

@@ -8,9 +8,13 @@ ones there are. Text, image and audio data modules all use them, and so can a da
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -19,7 +23,7 @@ import pandas as pd
 
 from torchloom.errors import ConfigError
 
-__all__ = ["encode_labels", "read_table", "require_column", "resolve_label_names"]
+__all__ = ["check_rows", "encode_labels", "read_table", "require_column", "resolve_label_names"]
 
 #: File suffixes `read_table` reads, and the `datasets` reader each one goes through.
 TABLE_READERS = {
@@ -44,7 +48,10 @@ def read_table(source: TableSource, name: str = "data") -> datasets.Dataset:
         name (`str`, defaults to ``"data"``): what to call it in error messages, e.g. ``"train data"``.
 
     Raises:
-        ConfigError: the path does not exist, cannot be read or parsed, or has an unsupported suffix.
+        ConfigError: the path does not exist, cannot be read or parsed, or has an unsupported suffix; a file with no
+            rows (``is empty (0 rows)``); a line of a ``.jsonl`` file (or an item of a ``.json`` array) that is no
+            JSON object (names its 1-based line, or item, and what it is); a CSV line with more fields than the
+            header (names the line).
     """
     if isinstance(source, datasets.Dataset):
         return source
@@ -58,32 +65,173 @@ def read_table(source: TableSource, name: str = "data") -> datasets.Dataset:
     path = Path(source).expanduser()
     if not path.exists():
         raise ConfigError(f"{name} path '{path}' does not exist")
-    try:
-        if path.is_dir():
+    if path.is_dir():
+        try:
             loaded = datasets.load_from_disk(str(path))
-            if not isinstance(loaded, datasets.Dataset):
-                raise ConfigError(
-                    f"{name} path '{path}' holds a DatasetDict (splits {', '.join(loaded)}); give one split's directory"
-                )
-            return loaded
-        reader = TABLE_READERS.get(path.suffix.lower())
-        if reader is None:
+        except Exception as exc:  # datasets raises several types for a directory it cannot load
+            said = str(exc).strip().splitlines()
             raise ConfigError(
-                f"{name} path '{path}' has an unsupported suffix {path.suffix!r}; expected one of "
-                f"{', '.join(TABLE_READERS)} or a save_to_disk directory"
+                f"{name} path '{path}' cannot be read as a dataset directory: "
+                f"{said[0] if said else type(exc).__name__}; expected a directory written by save_to_disk"
+            ) from None
+        if not isinstance(loaded, datasets.Dataset):
+            raise ConfigError(
+                f"{name} path '{path}' holds a DatasetDict (splits {', '.join(loaded)}); give one split's directory"
             )
-        kwargs: dict[str, Any] = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
-        with tempfile.TemporaryDirectory(prefix="torchloom-read-") as scratch:
-            load = getattr(datasets.Dataset, f"from_{reader}")
-            return load(str(path), keep_in_memory=True, cache_dir=scratch, **kwargs)
-    except ConfigError:
-        raise
-    except Exception as exc:  # datasets wraps parse errors in several types (DatasetGenerationError, ArrowInvalid)
-        reason = str(exc.__cause__ or exc).strip().splitlines()
+        return loaded
+    suffix = path.suffix.lower()
+    reader = TABLE_READERS.get(suffix)
+    if reader is None:
         raise ConfigError(
-            f"{name} path '{path}' cannot be read as {path.suffix or 'a dataset directory'}: "
-            f"{reason[0] if reason else type(exc).__name__}"
+            f"{name} path '{path}' has an unsupported suffix {path.suffix!r}; expected one of "
+            f"{', '.join(TABLE_READERS)} or a save_to_disk directory"
+        )
+    expected = _EXPECTED[suffix]
+    if _is_blank(path, binary=reader == "parquet"):
+        raise ConfigError(f"{name} path '{path}' is empty (0 rows); expected {expected}")
+    if suffix == ".jsonl":
+        _check_json_lines(path, name)  # datasets reads a line that is no object as a row, or blames "row 0"
+    elif suffix == ".json":
+        _check_json_array(path, name)
+    kwargs: dict[str, Any] = {"delimiter": "\t"} if suffix == ".tsv" else {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="torchloom-read-") as scratch, _quiet_readers():
+            load = getattr(datasets.Dataset, f"from_{reader}")
+            table = load(str(path), keep_in_memory=True, cache_dir=scratch, **kwargs)
+    except Exception as exc:  # datasets wraps parse errors in several types (DatasetGenerationError, ArrowInvalid)
+        lines = str(exc.__cause__ or exc).strip().splitlines()
+        reason = lines[0] if lines else type(exc).__name__
+        if "corresponds to no data" in reason or "BatchSize must be greater than 0" in reason:
+            raise ConfigError(f"{name} path '{path}' is empty (0 rows); expected {expected}") from None
+        if reader == "json":
+            _check_json_lines(path, name, parse=True)  # names the first line that is no JSON object, if one is
+        raise ConfigError(
+            f"{name} path '{path}' cannot be read as {path.suffix}: {_reason(reader, reason)}; expected {expected}"
         ) from None
+    if not len(table):
+        raise ConfigError(f"{name} path '{path}' is empty (0 rows); expected {expected}")
+    return table
+
+
+#: What a file of each suffix holds, for the messages of `read_table`.
+_EXPECTED = {
+    ".csv": "a header line, then one line per row",
+    ".tsv": "a header line, then one line per row (tab-separated)",
+    ".json": "a JSON array of objects, or one JSON object per line",
+    ".jsonl": "one JSON object per line",
+    ".parquet": "a parquet table with at least one row",
+}
+
+
+def _is_blank(path: Path, binary: bool) -> bool:
+    """Whether the file has no bytes (``binary``) or only whitespace, read in chunks until the first other byte."""
+    if binary:
+        return path.stat().st_size == 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip() and chunk.strip() != b"\xef\xbb\xbf":
+                return False
+    return True
+
+
+def _json_kind(text: bytes) -> str:
+    """What a line (or item) that is no JSON object is: ``"a JSON array"``, ``"null"`` ... or ``"not JSON"``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return "not JSON"
+    kinds = {list: "a JSON array", str: "a JSON string", bool: "a JSON boolean", type(None): "null"}
+    return kinds.get(type(value), "a JSON number")
+
+
+def _excerpt(text: bytes, size: int = 40) -> str:
+    shown = text.decode("utf-8", errors="replace")
+    return repr(shown if len(shown) <= size else shown[: size - 3] + "...")
+
+
+def _check_json_lines(path: Path, name: str, parse: bool = False) -> None:
+    """Refuse the first non-blank line of a JSON lines file that is no JSON object (with ``parse``: that is not
+    valid JSON either), naming its 1-based line number. Without ``parse`` only each line's first character is
+    looked at (a pass over the file, no parsing).
+
+    Raises:
+        ConfigError: such a line (names the file, the line, what it is and that one object per line is expected).
+    """
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            text = line.removeprefix(b"\xef\xbb\xbf").strip() if number == 1 else line.strip()
+            if not text:
+                continue
+            if text[:1] != b"{":
+                what = _json_kind(text)
+            elif not parse:
+                continue
+            else:
+                try:
+                    value = json.loads(text)
+                except ValueError as exc:
+                    what = f"not valid JSON ({exc.args[0] if exc.args else exc})"
+                else:
+                    if isinstance(value, dict):
+                        continue
+                    what = "not a JSON object"
+            raise ConfigError(
+                f"{name} path '{path}': line {number} is {what}: {_excerpt(text)}; expected one JSON object per line"
+            )
+
+
+def _check_json_array(path: Path, name: str) -> None:
+    """A ``.json`` file that is one JSON array: refuse an item that is no object, naming its 1-based position
+    (datasets would read ``[1, 2]`` as a column ``text``, and ``null`` as a row of missing values). A file of
+    JSON lines (or one object) is left to the reader.
+
+    Raises:
+        ConfigError: the array is not valid JSON, or an item is no object.
+    """
+    with open(path, "rb") as f:
+        head = f.read(1 << 12).removeprefix(b"\xef\xbb\xbf").lstrip()
+    if head[:1] != b"[":
+        return
+    try:
+        items = json.loads(path.read_bytes().removeprefix(b"\xef\xbb\xbf"))
+    except ValueError as exc:
+        raise ConfigError(f"{name} path '{path}' is not valid JSON ({exc}); expected {_EXPECTED['.json']}") from None
+    for number, item in enumerate(items, start=1):
+        if not isinstance(item, dict):
+            text = json.dumps(item).encode()
+            raise ConfigError(
+                f"{name} path '{path}': item {number} of the JSON array is {_json_kind(text)}: {_excerpt(text)}; "
+                f"expected {_EXPECTED['.json']}"
+            )
+
+
+def _reason(reader: str, reason: str) -> str:
+    """The library's reason for a file that cannot be read, in the file's terms where it is known (pandas' CSV
+    errors name lines and rows of their own)."""
+    fields = re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", reason)
+    if reader == "csv" and fields:
+        expected, line, saw = fields.groups()
+        return f"line {line} has {saw} fields, the header {expected}"
+    quote = re.search(r"EOF inside string starting at row (\d+)", reason)
+    if reader == "csv" and quote:
+        return f"a quoted field that starts in row {int(quote.group(1)) + 1} (the header is row 1) is never closed"
+    return reason.removeprefix("Error tokenizing data. C error: ").removeprefix("JSON parse error: ")
+
+
+@contextlib.contextmanager
+def _quiet_readers() -> Iterator[None]:
+    """Silence the log lines datasets' readers write before they raise (`read_table` raises one error instead)."""
+    loggers = [
+        logging.getLogger(f"datasets.packaged_modules.{name}") for name in ("csv.csv", "json.json", "parquet.parquet")
+    ]
+    levels = [each.level for each in loggers]
+    for each in loggers:
+        each.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for each, level in zip(loggers, levels):
+            each.setLevel(level)
 
 
 def resolve_label_names(
@@ -91,6 +239,7 @@ def resolve_label_names(
     column: str,
     names: Sequence[str] | None = None,
     name: str = "data",
+    allow_missing: bool = False,
 ) -> list[str]:
     """Return the class names, in id order, that `encode_labels` gives ``column``, without encoding anything.
 
@@ -104,19 +253,25 @@ def resolve_label_names(
         names (`Sequence[str]`, *optional*): the class names in id order. ``None``: the sorted distinct strings of
             the column, or ``"0" ... "<max>"`` for integers, or the column's own `ClassLabel` names.
         name (`str`, defaults to ``"data"``): what to call the table in error messages.
+        allow_missing (`bool`, defaults to False): accept rows without a label (rows to predict on); the classes
+            come from the labelled rows, or are ``names``.
 
     Returns:
         `list[str]`: the class names, in id order.
 
     Raises:
-        ConfigError: ``column`` is missing or has missing values, a value is not one of ``names``, an integer label
-            is negative or out of range, or the values are of another type.
+        ConfigError: ``column`` is missing or (unless ``allow_missing``) has missing values, a value is not one of
+            ``names``, an integer label is negative or out of range, or the values are of another type.
     """
     require_column(dataset, column, "label_column", name)
     feature = dataset.features[column]
     values = dataset.unique(column)
     if any(v is None for v in values):
-        raise ConfigError(f"{name}: label_column {column!r} has missing values; every row needs a label")
+        if not allow_missing:
+            raise ConfigError(f"{name}: label_column {column!r} has missing values; every row needs a label")
+        values = [v for v in values if v is not None]
+        if not values and names is not None:
+            return list(names)
     if isinstance(feature, datasets.ClassLabel):
         target = list(names) if names is not None else list(feature.names)
         if sorted(target) != sorted(feature.names):
@@ -149,6 +304,7 @@ def encode_labels(
     column: str,
     names: Sequence[str] | None = None,
     name: str = "data",
+    allow_missing: bool = False,
 ) -> datasets.Dataset:
     """Encode ``column`` as a `datasets.ClassLabel` column named ``labels`` (what transformers models expect).
 
@@ -160,16 +316,27 @@ def encode_labels(
             the column, or ``"0" ... "<max>"`` for integers, or the column's own `ClassLabel` names
             (`resolve_label_names`).
         name (`str`, defaults to ``"data"``): what to call the table in error messages.
+        allow_missing (`bool`, defaults to False): rows without a label (rows to predict on) get the label -1,
+            datasets' "no label" (as in the test splits of GLUE).
 
     Returns:
         `datasets.Dataset`: ``column`` replaced by ``labels`` of dtype int64 with a `ClassLabel` feature.
 
     Raises:
-        ConfigError: ``column`` is missing or has missing values, a value is not one of ``names``, or an
-            integer label is negative or out of range.
+        ConfigError: ``column`` is missing or (unless ``allow_missing``) has missing values, a value is not one of
+            ``names``, or an integer label is negative or out of range.
     """
-    target = resolve_label_names(dataset, column, names, name)
+    target = resolve_label_names(dataset, column, names, name, allow_missing)
     feature = dataset.features[column]
+    if allow_missing and None in dataset.unique(column):
+        ids = {n: i for i, n in enumerate(target)}
+        old = feature.names if isinstance(feature, datasets.ClassLabel) else None
+        codes = [
+            -1 if v is None else ids[old[v]] if old is not None else ids[v] if isinstance(v, str) else v
+            for v in dataset[column]
+        ]
+        dataset = dataset.remove_columns([c for c in (column, "labels") if c in dataset.column_names])
+        return dataset.add_column("labels", codes, feature=datasets.ClassLabel(names=target))
     if isinstance(feature, datasets.ClassLabel):
         if target != list(feature.names):
             dataset = dataset.align_labels_with_mapping({n: i for i, n in enumerate(target)}, column)
@@ -195,3 +362,15 @@ def require_column(dataset: datasets.Dataset, column: str, setting: str, name: s
         raise ConfigError(
             f"{name}: {setting} {column!r} is not a column; the columns are {', '.join(dataset.column_names)}"
         )
+
+
+def check_rows(dataset: datasets.Dataset, name: str) -> None:
+    """Raise a `ConfigError` when ``dataset`` has no rows (a table from a file is refused by `read_table` already;
+    this catches an empty `pandas.DataFrame`, `datasets.Dataset` or folder).
+
+    Args:
+        dataset (`datasets.Dataset`): the table.
+        name (`str`): what to call it in the message (``"ChatData train data"``).
+    """
+    if not len(dataset):
+        raise ConfigError(f"{name} is empty (0 rows); expected at least one row")
