@@ -383,7 +383,9 @@ def test_async_save_refuses_sharded_runs():
     _async_save.check_supported(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
     plugin = Checkpoint(async_save=True)
     with pytest.raises(torchloom.ConfigError, match="async_save"):
-        plugin.on_fit_start(SimpleNamespace(distributed_type=DistributedType.FSDP, is_main_process=True), None, None, None)
+        plugin.on_fit_start(
+            SimpleNamespace(distributed_type=DistributedType.FSDP, is_main_process=True), None, None, None
+        )
 
 
 # ------------------------------------------------------------------------------------------- 2 processes
