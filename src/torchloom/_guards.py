@@ -27,10 +27,12 @@ __all__ = [
     "check_step_outputs",
     "check_training",
     "eval_mode",
+    "listing",
     "nonfinite_loss_error",
     "nonfinite_parts",
     "optimizer_steps",
     "split_optimizers",
+    "state_tensors",
     "stop_iteration",
     "train_mode_unless_chosen",
 ]
@@ -439,3 +441,20 @@ def _describe(value: Any) -> str:
         )
     text = repr(value)
     return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def state_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a state (dicts, lists and tuples of tensors and plain values)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from state_tensors(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from state_tensors(item)
+
+
+def listing(names: list[str]) -> str:
+    """``"a"``, ``"a and b"``, ``"a, b and c"``."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]

@@ -55,7 +55,7 @@ from torchloom import _checkpoint_scan as _scan
 from torchloom._adapter import TrainableOnly, describe, resume_problems
 from torchloom._atomic import temporary_path
 from torchloom._data_position import DataOrder, layout_problems
-from torchloom._guards import nonfinite_parts
+from torchloom._guards import listing, nonfinite_parts, state_tensors
 from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
 from torchloom._manifest import FORMAT as FORMAT
 from torchloom._manifest import MANIFEST, manifest_base, publish, read_manifest
@@ -223,16 +223,16 @@ def checked_plugin_states(
     main = accelerator.is_main_process
     states = [(name, _state_of(name, plugin, "to save its state")) for name, plugin in _stateful(plugins)]
     inner = getattr(request.optimizer, "optimizer", request.optimizer)
-    optimizer_state = [v for entry in getattr(inner, "state", {}).values() for v in _tensors(entry)]
+    optimizer_state = [v for entry in getattr(inner, "state", {}).values() for v in state_tensors(entry)]
     parts: list[tuple[str, list[torch.Tensor]]] = [
         ("model weights", list(request.model.parameters())),
         ("optimizer state", optimizer_state),
-        *((f"plugin {name!r} state", list(_tensors(state))) for name, state in states),
+        *((f"plugin {name!r} state", list(state_tensors(state))) for name, state in states),
     ]
     bad = nonfinite_parts(parts, accelerator)
     if bad:
         step = int(request.engine_state["global_step"])
-        what = _listing(bad)
+        what = listing(bad)
         verb = "is" if len(bad) == 1 else "are"
         if request.nonfinite_loss == "error":
             raise TaskError(
@@ -254,22 +254,6 @@ def checked_plugin_states(
         skipped.append(step)
         return None
     return [(name, *_encode(name, state, copy=main, own=own)) for name, state in states]
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a state (dicts, lists and tuples of tensors and plain values)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _tensors(item)
-
-
-def _listing(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 @contextlib.contextmanager
