@@ -34,8 +34,6 @@ NOT_LIBRARY_INTERNALS = {
     "_time": "profiler.py: the suffix of torch.profiler's sort keys (cpu_time, self_cpu_time_total): public names",
     "_time_total": "profiler.py: the suffix of torch.profiler's public sort keys",
     "_memory_usage": "profiler.py: the suffix of torch.profiler's public sort keys (cpu_memory_usage)",
-    "_validate_model_kwargs": "generate.py: transformers' GenerationMixin._validate_model_kwargs, a library "
-    "internal used when present (skipped when missing); TODO: move to torchloom._internals.INTERNALS",
     "_end": "plugins.py: the suffix of the *_end hook names",
     "_kwargs": "_hf_args.py: the suffix of TrainingArguments fields such as gradient_checkpointing_kwargs",
     "_fields": "_padding.py: a namedtuple's fields (documented in the standard library)",

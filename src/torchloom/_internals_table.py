@@ -478,6 +478,12 @@ INTERNALS: tuple[Internal, ...] = (
         ("torchloom_plugins.grad_checkpoint",),
     ),
     Internal(
+        "transformers.generation.utils.GenerationMixin._validate_model_kwargs",
+        "generate checks its model keyword arguments at start-up with the check generate() itself runs, so that a "
+        "misspelt one fails before training instead of at the first sample",
+        ("torchloom_plugins.generate",),
+    ),
+    Internal(
         "transformers.configuration_utils.PreTrainedConfig._attn_implementation",
         "the attention implementation a model runs with, named in check_packed_attention's error (packed data)",
         ("torchloom.data.packing",),
