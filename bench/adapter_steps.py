@@ -88,7 +88,7 @@ def main() -> None:
         rows.append(row)
         print(
             f"| {config} | {row['s_per_step']:.2f} | {row['ratio']:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
-            f"{torchloom.format_bytes(row['peak_rss_bytes'])} |"
+            f"{torchloom.utils.format_bytes(row['peak_rss_bytes'])} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "load": load, "rows": rows, "runs": results}))

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if larger:
             results["next larger"] = trial(args, config, larger[0], 0, args.precision)
     results["back-off"] = trial(args, config, args.batch, 8, args.precision)
-    fmt = torchloom.format_bytes
+    fmt = torchloom.utils.format_bytes
     print(f"auto_batch on {results['device']}: batch {args.batch} x {args.seq_len} tokens, {args.precision}, "
           f"budget {fmt(budget)}")  # fmt: skip
     if suggestion is not None:

@@ -434,7 +434,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args, _ = parser.parse_known_args()
     torch.set_num_threads(1)
-    torchloom.quiet_libraries()
+    torchloom.utils.quiet_libraries()
     began = time.perf_counter()
     commit = subprocess.run(
         ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--short", "HEAD"],

@@ -145,7 +145,9 @@ def fetch_fine_foods(
                 review=frame["review"].astype(str).str.replace("<br />", " ", regex=False).str.strip(),
                 score=frame["score"].astype(str),
             ).reset_index(drop=True)
-            torchloom.write_atomically(paths[split], lambda path, frame=frame: frame.to_parquet(path, index=False))
+            torchloom.utils.write_atomically(
+                paths[split], lambda path, frame=frame: frame.to_parquet(path, index=False)
+            )
     return paths
 
 

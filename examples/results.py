@@ -50,7 +50,7 @@ FINE_FOODS, FASHION_MNIST, KEYWORDS, INDEX, CHAT = (
 )
 PEFT = "docs/plugins/peft.md"
 #: What the adapter table of the peft page shows of each run (``quoted_facts``): recorded name -> its format
-#: (``"bytes"``: `torchloom.format_bytes`; else a format spec).
+#: (``"bytes"``: `torchloom.utils.format_bytes`; else a format spec).
 SIZES = {
     "trainable_parameters": ",",
     "parameter_bytes": "bytes",
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(results["runs"][run_id]["metrics"]), flush=True)
             results["runs"] = dict(sorted(results["runs"].items()))
             # each finished run is kept, even if a later one fails
-            torchloom.write_atomically(RESULTS, json.dumps(results, indent=1) + "\n")
+            torchloom.utils.write_atomically(RESULTS, json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch):
     """No test leaks TORCHLOOM_* variables into another, nor the progress-bar variables the ``torchloom`` command
-    sets for its process (`torchloom.quiet_libraries`) when a test runs it in this one."""
+    sets for its process (`torchloom.utils.quiet_libraries`) when a test runs it in this one."""
     for var in ("TORCHLOOM_PLUGINS", "TORCHLOOM_TRACE_HOOKS"):
         monkeypatch.delenv(var, raising=False)
     for var in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):  # kept, restored afterwards

@@ -3,7 +3,8 @@ step and written by a thread; the checkpoint holds exactly what a synchronous on
 resume from it continues bitwise, at most one save is in flight, the end of a fit (or its failure) waits for it,
 a background error is raised on the main thread, a crash mid-write leaves the previous checkpoint the latest, and
 ``keep_last`` counts only complete checkpoints. The writer is made slow or blocked by wrapping
-``torchloom._async_save.write_parts`` (what the thread runs). The 2-process case is tests/mp/async_save_ddp.py."""
+``torchloom.checkpoint.async_save.write_parts`` (what the thread runs). The 2-process case is
+tests/mp/async_save_ddp.py."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 import torchloom
-from torchloom import _async_save
-from torchloom.checkpoint import find_checkpoint, list_checkpoints, read_manifest, verify_files
+from torchloom.checkpoint import async_save as _async_save
+from torchloom.checkpoint.store import find_checkpoint, list_checkpoints, read_manifest, verify_files
 from torchloom_plugins.checkpoint import Checkpoint
 from torchrun_util import MP_DIR, torchrun
 
@@ -324,7 +325,7 @@ CRASH = """
 import os, sys
 from pathlib import Path
 import torchloom
-from torchloom import _async_save
+from torchloom.checkpoint import async_save as _async_save
 from torchloom_plugins.checkpoint import Checkpoint
 from resume_fit import ShuffleTask
 

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import torchloom
-from torchloom import _atomic, _liveness
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
+from torchloom.rundir import atomic as _atomic
+from torchloom.rundir import liveness as _liveness
 from torchrun_util import MP_DIR, torchrun
 
 sys.path.insert(0, str(MP_DIR))
@@ -200,13 +201,13 @@ def test_write_atomically_keeps_a_writer_s_own_temporary_files_to_itself(tmp_pat
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError, match="No space left"):
-        torchloom.write_atomically(tmp_path / "state.safetensors", failing)
+        torchloom.utils.write_atomically(tmp_path / "state.safetensors", failing)
     assert list(tmp_path.iterdir()) == []
     from safetensors.torch import load_file, save_file
 
-    torchloom.write_atomically(tmp_path / "state.safetensors", lambda p: save_file({"t": torch.ones(3)}, p))
-    torchloom.write_atomically(tmp_path / "notes.txt", "text")
-    torchloom.write_atomically(tmp_path / "blob.bin", b"\x00\x01")
+    torchloom.utils.write_atomically(tmp_path / "state.safetensors", lambda p: save_file({"t": torch.ones(3)}, p))
+    torchloom.utils.write_atomically(tmp_path / "notes.txt", "text")
+    torchloom.utils.write_atomically(tmp_path / "blob.bin", b"\x00\x01")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blob.bin", "notes.txt", "state.safetensors"]
     assert torch.equal(load_file(tmp_path / "state.safetensors")["t"], torch.ones(3))
     assert (tmp_path / "blob.bin").read_bytes() == b"\x00\x01"
@@ -328,14 +329,14 @@ def test_two_writes_of_one_file_at_once_do_not_collide(tmp_path):
 
     def first() -> None:
         try:
-            torchloom.write_atomically(tmp_path / "summary.json", slow)
+            torchloom.utils.write_atomically(tmp_path / "summary.json", slow)
         except BaseException as exc:  # pragma: no cover - the failure this test is about
             errors.append(exc)
 
     thread = threading.Thread(target=first)
     thread.start()
     assert started.wait(10)
-    torchloom.write_atomically(tmp_path / "summary.json", "second")  # while the first is still writing
+    torchloom.utils.write_atomically(tmp_path / "summary.json", "second")  # while the first is still writing
     release.set()
     thread.join(10)
     assert errors == []
@@ -343,7 +344,7 @@ def test_two_writes_of_one_file_at_once_do_not_collide(tmp_path):
 
 
 def test_non_ascii_text_is_written_as_utf8(tmp_path):
-    torchloom.write_atomically(tmp_path / "notes.txt", "é → ∞")
+    torchloom.utils.write_atomically(tmp_path / "notes.txt", "é → ∞")
     assert (tmp_path / "notes.txt").read_bytes() == "é → ∞".encode()
 
 
@@ -373,7 +374,10 @@ def test_pid_alive_answers_for_running_dead_and_foreign_processes():
     assert _liveness.pid_alive(int(dead.stdout)) is False
     assert _liveness.pid_alive(10**12) is False  # not a pid at all (OverflowError)
     if os.geteuid() == 0:  # a process of another user: os.kill refuses (PermissionError), but it runs
-        code = "import os; from torchloom import _liveness; os.setuid(65534); print(_liveness.pid_alive(1))"
+        code = (
+            "import os; from torchloom.rundir import liveness as _liveness; os.setuid(65534); "
+            "print(_liveness.pid_alive(1))"
+        )
         foreign = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         assert foreign.stdout.strip() == "True"
 

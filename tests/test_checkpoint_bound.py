@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask
 from torchrun_util import MP_DIR, torchrun
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import torchloom
-from torchloom._manifest import hash_and_sync, verify_files
-from torchloom.checkpoint import list_checkpoints, without_zip_crc32
+from torchloom.checkpoint.manifest import hash_and_sync, verify_files
+from torchloom.checkpoint.store import list_checkpoints, without_zip_crc32
 from torchloom.testing import TinyTask
 
 

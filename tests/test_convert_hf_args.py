@@ -23,9 +23,11 @@ from transformers import Trainer, TrainingArguments, get_scheduler
 
 import torchloom
 import torchloom_plugins
-from torchloom import _hf_args, _hf_args_tables, cli
+from torchloom import cli
 from torchloom.data import AudioClassificationData, ImageClassificationData, TextClassificationData
 from torchloom.testing import TinyTask
+from torchloom.tools.hf_args import convert as _hf_args
+from torchloom.tools.hf_args import mapping as _hf_args_tables
 from torchloom_plugins.optimizer import OptimizerSwap, create_optimizer, create_scheduler
 
 SOURCE_PATHS = [str(Path(torchloom.__file__).parents[1]), str(Path(torchloom_plugins.__file__).parents[1])]

@@ -24,7 +24,7 @@ import torch
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 import torchloom
-from torchloom._data_position import DataOrder, layout_problems, position
+from torchloom.checkpoint.data_position import DataOrder, layout_problems, position
 from torchloom.data import (
     LanguageModelingData,
     LengthGroupedSampler,

@@ -109,9 +109,9 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     'python3 -m nox -s tests -- -q -m "not multiprocess and not slow"': "a fresh install, then the quick subset",
     "python3 -m nox -s mutation": _MUTATION,
     "python3 -m nox -s mutation -- --base main": _MUTATION,
-    "python3 -m nox -s mutation -- src/torchloom/_atomic.py plugins/torchloom_plugins/checkpoint.py": _MUTATION,
+    "python3 -m nox -s mutation -- src/torchloom/rundir/atomic.py plugins/torchloom_plugins/checkpoint.py": _MUTATION,
     "python3 -m nox -s mutation -- --list": "installs the mutation session's environment (minutes) before it lists",
-    "python3 -m nox -s mutation -- src/torchloom/_atomic.py --tests tests/test_atomic_writes.py "
+    "python3 -m nox -s mutation -- src/torchloom/rundir/atomic.py --tests tests/test_atomic_writes.py "
     "tests/test_run_dirs.py": _MUTATION,
     # docs/quickstart.md
     "python3 -m venv .venv && . .venv/bin/activate": _INSTALL,
@@ -434,7 +434,13 @@ def _api_directives() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("package", "page"), [("torchloom", "index.md"), ("torchloom.data", "data.md"), ("torchloom.testing", "testing.md")]
+    ("package", "page"),
+    [
+        ("torchloom", "index.md"),
+        ("torchloom.utils", "index.md"),
+        ("torchloom.data", "data.md"),
+        ("torchloom.testing", "testing.md"),
+    ],
 )
 def test_the_api_reference_documents_every_public_name_where_it_is_defined(package, page):
     """Every name of the package's ``__all__`` is on its API page as ``::: <defining module>.<name>``, so the
@@ -522,14 +528,20 @@ def test_the_site_check_finds_raw_markup_in_a_type_column(tmp_path):
 def test_the_stable_surface_lists_exactly_the_public_api():
     import torchloom
     import torchloom.testing
+    import torchloom.utils
 
     text = (DOCS / "writing-plugins.md").read_text(encoding="utf-8")
     section = text[text.index("## The stable surface") :]
     exported = section[
-        section.index("**The names exported by `torchloom`**") : section.index("**`torchloom.testing`**")
+        section.index("**The names exported by `torchloom`**") : section.index(
+            "**The names exported by `torchloom.utils`**"
+        )
     ]
+    helpers = section[section.index("**The names exported by `torchloom.utils`**") : section.index("The built-in")]
     testing = section[section.index("**`torchloom.testing`**") : section.index("**The hooks**")]
     assert set(re.findall(r"`(\w+)`", exported)) - {"torchloom", "__all__"} == set(torchloom.__all__)
+    names = set(re.findall(r"`(\w+)`", helpers)) - {"torchloom", "__all__", "DeprecationWarning"}
+    assert names == set(torchloom.utils.__all__)
     assert set(re.findall(r"`(\w+)`", testing)) - {"torchloom"} == set(torchloom.testing.__all__)
 
 
@@ -914,7 +926,7 @@ def test_the_example_pages_show_the_results_the_script_recorded():
             cells = " ".join(line.split("|")[2:-1]).replace("*", "")
             for name, style in facts.items():
                 value = recorded[run_id][name]
-                text = torchloom.format_bytes(value) if style == "bytes" else format(value, style)
+                text = torchloom.utils.format_bytes(value) if style == "bytes" else format(value, style)
                 assert text in cells, f"{page}: the row of {run_id} shows {cells}, the recorded {name} is {text}"
                 checked.append((run_id, name))
         if "curve" in spec:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import torchloom
 from cli_util import run_cli
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchrun_util import MP_DIR
 
 sys.path.insert(0, str(MP_DIR))

@@ -16,7 +16,7 @@ import pytest
 
 import torchloom
 from cli_util import run_cli
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask, tiny_fit
 from torchrun_util import MP_DIR
 

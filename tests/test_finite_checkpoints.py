@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import torchloom
-from torchloom.checkpoint import find_checkpoint, list_checkpoints, read_manifest, verify_files
+from torchloom.checkpoint.store import find_checkpoint, list_checkpoints, read_manifest, verify_files
 from torchloom.testing import TinyTask
 from torchloom_plugins.ema import ExponentialMovingAverage
 from torchrun_util import torchrun

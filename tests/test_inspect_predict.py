@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import torchloom
 from cli_util import run_cli  # the torchloom command, in this process
-from torchloom.checkpoint import list_checkpoints, read_manifest
+from torchloom.checkpoint.store import list_checkpoints, read_manifest
 from torchloom.testing import TinyTask, tiny_dataset, tiny_fit
 
 CARD = "torchloom_model.json"

@@ -87,7 +87,7 @@ def fit(tmp_path: Path, clock: Clock, **settings: Any) -> tuple[torchloom.Engine
 
 def test_summary_training_time_excludes_validation_and_rates_are_over_it(tmp_path, clock, capsys) -> None:
     engine, task = fit(tmp_path, clock)
-    summary = json.loads((Path(engine.run_dir) / torchloom.SUMMARY_FILE).read_text())
+    summary = json.loads((Path(engine.run_dir) / torchloom.utils.SUMMARY_FILE).read_text())
     assert (summary["optimizer_steps"], summary["samples"], summary["epochs"]) == (STEPS, SAMPLES, 2)
     assert summary["train_time_s"] == STEPS * TRAIN_S  # the 2 validation passes (800 s) excluded
     assert summary["samples_per_s"] == SAMPLES / (STEPS * TRAIN_S) == 4.0
@@ -213,7 +213,7 @@ def test_fit_counts_are_accumulated_over_the_fit_and_continued_by_a_resume(tmp_p
 
     assert plugin(resumed).totals == plugin(whole).totals
     assert plugin(whole).totals["samples"] == SAMPLES
-    a, b = (json.loads((Path(e.run_dir) / torchloom.SUMMARY_FILE).read_text()) for e in (whole, resumed))
+    a, b = (json.loads((Path(e.run_dir) / torchloom.utils.SUMMARY_FILE).read_text()) for e in (whole, resumed))
     for key in ("optimizer_steps", "samples", "train_time_s", "samples_per_s", "steps_per_s"):
         assert b[key] == a[key], key
     assert (a["train_time_s"], a["samples"]) == (STEPS * TRAIN_S, SAMPLES)

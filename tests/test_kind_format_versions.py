@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 import torchloom
-from torchloom._export import CARD_FORMAT, CARD_VERSION
-from torchloom._manifest import FORMAT, VERSION
-from torchloom.checkpoint import read_manifest
-from torchloom.state import VERSION as STATE_VERSION
+from torchloom.checkpoint.manifest import FORMAT, VERSION
+from torchloom.checkpoint.plugin_state import VERSION as STATE_VERSION
+from torchloom.checkpoint.store import read_manifest
+from torchloom.rundir.export import CARD_FORMAT, CARD_VERSION
 from torchloom.testing import TinyTask, tiny_fit
 
 
@@ -61,7 +61,7 @@ def fitted(tmp_path_factory) -> tuple[str, str]:
     saver = SaveAt(2)
     engine = tiny_fit([saver], output_dir=str(out), max_epochs=1, save_model=True)
     assert saver.path is not None
-    return saver.path, str(Path(engine.run_dir) / torchloom.MODEL_DIR)
+    return saver.path, str(Path(engine.run_dir) / torchloom.utils.MODEL_DIR)
 
 
 def _copy(src: str, dst: Path) -> Path:
@@ -89,7 +89,7 @@ _DROP = object()
 
 def test_the_written_manifest_has_the_current_format_and_version(fitted) -> None:
     manifest = json.loads((Path(fitted[0]) / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"]) == (FORMAT, VERSION) == ("torchloom.checkpoint", 2)
+    assert (manifest["format"], manifest["version"]) == (FORMAT, VERSION) == ("torchloom.checkpoint.store", 2)
 
 
 @pytest.mark.parametrize("version", [VERSION + 1, 1, _DROP, "2"], ids=["newer", "older-unsupported", "missing", "str"])

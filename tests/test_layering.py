@@ -1,9 +1,11 @@
 """The layer rule, by AST scan: the core never imports the built-in plugins, and plugins use only the public API.
 
 - ``src/torchloom`` never imports ``torchloom_plugins`` (nor names it in ``importlib.import_module``).
-- ``plugins/torchloom_plugins`` (and the third-party test distributions in ``tests/fixtures``) import from
-  ``torchloom`` only names in ``torchloom.__all__``: no ``torchloom.<submodule>`` imports, no private names,
-  and no ``torchloom.<name>`` attribute access outside ``__all__``.
+- ``plugins/torchloom_plugins`` (and the third-party test distributions in ``tests/fixtures``) use only the two
+  public shelves: names in ``torchloom.__all__`` and in ``torchloom.utils.__all__``; no other
+  ``torchloom.<submodule>`` import, no private names, no ``torchloom.<name>`` (or ``torchloom.utils.<name>``)
+  attribute access outside them, and none of the helper names that moved to ``torchloom.utils`` through
+  ``torchloom`` (their deprecated old place).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import torchloom
+import torchloom.utils
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "src" / "torchloom"
@@ -21,6 +24,7 @@ CORE = ROOT / "src" / "torchloom"
 PLUGIN_DIRS = [ROOT / "plugins" / "torchloom_plugins", ROOT / "tests" / "fixtures"]
 PLUGIN_FILES = [ROOT / "examples" / "torchloom-ema" / "torchloom_ema.py"]
 PUBLIC = frozenset(torchloom.__all__)
+UTILS = frozenset(torchloom.utils.__all__)
 
 
 def python_files(directory: Path) -> list[Path]:
@@ -54,24 +58,35 @@ def core_violations(source: str, filename: str = "<core>") -> list[str]:
     ]
 
 
-def plugin_violations(source: str, filename: str = "<plugin>", public: frozenset[str] = PUBLIC) -> list[str]:
-    """Uses of torchloom beyond its public API in plugin code."""
+def plugin_violations(
+    source: str, filename: str = "<plugin>", public: frozenset[str] = PUBLIC, utils: frozenset[str] = UTILS
+) -> list[str]:
+    """Uses of torchloom beyond its two public shelves in plugin code."""
     tree = ast.parse(source, filename)
     problems = []
     aliases = set()  # local names bound to the torchloom package itself
+    shelves = set()  # local names bound to torchloom.utils
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "torchloom":
                     aliases.add(alias.asname or "torchloom")
+                elif alias.name == "torchloom.utils":  # binds torchloom, or the shelf under its alias
+                    (shelves if alias.asname else aliases).add(alias.asname or "torchloom")
                 elif alias.name.startswith("torchloom."):
                     problems.append(f"{filename}:{node.lineno}: imports submodule {alias.name}")
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.startswith("torchloom."):
+            if node.module == "torchloom.utils":
+                for alias in node.names:
+                    if alias.name not in utils:
+                        problems.append(f"{filename}:{node.lineno}: imports {alias.name!r}, not in torchloom.utils")
+            elif node.module.startswith("torchloom."):
                 problems.append(f"{filename}:{node.lineno}: imports from submodule {node.module}")
             elif node.module == "torchloom":
                 for alias in node.names:
-                    if alias.name not in public:
+                    if alias.name == "utils":
+                        shelves.add(alias.asname or "utils")
+                    elif alias.name not in public:
                         problems.append(f"{filename}:{node.lineno}: imports {alias.name!r}, not in torchloom.__all__")
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             target = node.args[0].value
@@ -84,9 +99,19 @@ def plugin_violations(source: str, filename: str = "<plugin>", public: frozenset
             ):
                 problems.append(f"{filename}:{node.lineno}: imports submodule {target}")
     for node in ast.walk(tree):
-        is_package_attr = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-        if is_package_attr and node.value.id in aliases and node.attr not in public:
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in aliases and node.attr not in public | {"utils"}:
             problems.append(f"{filename}:{node.lineno}: uses torchloom.{node.attr}, not in torchloom.__all__")
+        on_utils = (isinstance(owner, ast.Name) and owner.id in shelves) or (
+            isinstance(owner, ast.Attribute)
+            and owner.attr == "utils"
+            and isinstance(owner.value, ast.Name)
+            and owner.value.id in aliases
+        )
+        if on_utils and node.attr not in utils:
+            problems.append(f"{filename}:{node.lineno}: uses torchloom.utils.{node.attr}, not in torchloom.utils")
     return problems
 
 
@@ -142,6 +167,12 @@ def test_core_scan_catches(source):
         "import torchloom as tl\nx = tl._logbuffer",
         "import importlib\nimportlib.import_module('torchloom.testing')",
         "def f():\n    from torchloom.progress import Progress",
+        "import torchloom\nx = torchloom.warn",  # a helper's deprecated old place
+        "from torchloom import format_bytes",
+        "from torchloom.utils import Engine",
+        "import torchloom\nx = torchloom.utils.Engine",
+        "import torchloom.utils as u\nx = u._bytes",
+        "from torchloom import utils\nx = utils.parse_bytes",
     ],
 )
 def test_plugin_scan_catches(source):
@@ -156,6 +187,11 @@ def test_plugin_scan_catches(source):
         "import torchloom as tl\nclass P(tl.Plugin): pass",
         "from . import helpers",
         "import torch\nx = torch.nn.Linear",
+        "import torchloom\ntorchloom.utils.warn('x')",
+        "from torchloom.utils import json_dumps, warn",
+        "import torchloom.utils\ntorchloom.utils.format_bytes(1)",
+        "import torchloom.utils as u\nu.format_bytes(1)",
+        "from torchloom import utils\nutils.closest_name('a', ['b'])",
     ],
 )
 def test_plugin_scan_allows_the_public_api(source):
@@ -191,9 +227,10 @@ def import_graph(src: Path, top: str = "torchloom") -> dict[str, set[str]]:
     An edge goes to the module an import runs: ``import a.b`` and ``from a import b`` (``b`` a module) to ``a.b``;
     ``from a import name`` (a name defined in ``a``) to ``a``, a package's ``__init__`` included, so a submodule
     that imports ``__version__`` from its package depends on the package. Relative imports and
-    ``importlib.import_module("literal")`` count; imports under ``if TYPE_CHECKING:`` do not. The package ``top``
-    imports the modules its lazy table ``_EXPORTS`` names (PEP 562: it imports them when a name is first used).
-    That a module's parent packages run before it is not an edge (every import of a submodule does that).
+    ``importlib.import_module("literal")`` count; imports under ``if TYPE_CHECKING:`` do not. A module with a lazy
+    table ``_EXPORTS`` (``top``, ``torchloom.utils``, ``torchloom.checkpoint``) imports the modules it names (PEP 562:
+    it imports them when a name is first used). That a module's parent packages run before it is not an edge (every
+    import of a submodule does that).
     """
     modules = module_names(src)
 
@@ -228,7 +265,8 @@ def import_graph(src: Path, top: str = "torchloom") -> dict[str, set[str]]:
                 called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
                 if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
                     targets.append(known(node.args[0].value))
-            elif name == top and isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_EXPORTS":
+            elif isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_EXPORTS":
+                # a lazy table (PEP 562): the module imports the modules it names when a name is first used
                 targets += [known(value.value) for value in node.value.values if isinstance(value, ast.Constant)]
         graph[name] = {t for t in targets if t in graph and t != name}
     return graph

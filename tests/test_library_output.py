@@ -1,4 +1,4 @@
-"""Noise the user did not cause stays out of output that is not a terminal (`torchloom.quiet_libraries`): the
+"""Noise the user did not cause stays out of output that is not a terminal (`torchloom.utils.quiet_libraries`): the
 progress bars of datasets, transformers and huggingface_hub (``\\r`` lines of kilobytes in a log file), the ANSI codes
 of transformers' load report, bitsandbytes' import-time line about the optional ``kernels`` package, and
 transformers' ``use_cache`` note under gradient checkpointing. A library the user configured is left alone.
@@ -187,7 +187,7 @@ def plain_stderr(monkeypatch):
     """No variable that decides the output is set; stderr (pytest's capture) is not a terminal."""
     for variable in OUTPUT_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
-    assert not torchloom.is_terminal(sys.stderr)
+    assert not torchloom.utils.is_terminal(sys.stderr)
 
 
 def test_is_terminal_follows_rich_and_its_overrides(monkeypatch):
@@ -195,9 +195,9 @@ def test_is_terminal_follows_rich_and_its_overrides(monkeypatch):
     monkeypatch.delenv("FORCE_COLOR", raising=False)
     monkeypatch.delenv("TTY_INTERACTIVE", raising=False)
     with open(os.devnull, "w") as devnull:
-        assert not torchloom.is_terminal(devnull)
+        assert not torchloom.utils.is_terminal(devnull)
         monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich's override: treat the stream as a terminal
-        assert torchloom.is_terminal(devnull)
+        assert torchloom.utils.is_terminal(devnull)
 
 
 def test_quiet_libraries_turns_the_bars_off_for_the_block_and_back_on(plain_stderr):
@@ -206,7 +206,7 @@ def test_quiet_libraries_turns_the_bars_off_for_the_block_and_back_on(plain_stde
     from transformers.utils import logging as hf_logging
 
     assert datasets.is_progress_bar_enabled() and hf_logging.is_progress_bar_enabled()
-    with torchloom.quiet_libraries():
+    with torchloom.utils.quiet_libraries():
         assert datasets.are_progress_bars_disabled()
         assert not hf_logging.is_progress_bar_enabled() and hub.are_progress_bars_disabled()
     assert datasets.is_progress_bar_enabled() and hf_logging.is_progress_bar_enabled()
@@ -219,13 +219,13 @@ def test_a_library_the_user_configured_keeps_its_bars(plain_stderr, monkeypatch)
 
     monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "0")
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "warning")
-    with torchloom.quiet_libraries():
+    with torchloom.utils.quiet_libraries():
         assert datasets.is_progress_bar_enabled() and hf_logging.is_progress_bar_enabled()
     monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS")
     monkeypatch.delenv("TRANSFORMERS_VERBOSITY")
     hf_logging.set_verbosity_info()  # a verbosity chosen in code counts too
     try:
-        with torchloom.quiet_libraries():
+        with torchloom.utils.quiet_libraries():
             assert hf_logging.is_progress_bar_enabled()
             assert datasets.are_progress_bars_disabled()  # datasets was not configured
     finally:
@@ -248,7 +248,7 @@ def test_colour_codes_are_stripped_from_transformers_records_only_inside_the_blo
         logger.addHandler(collect)
     report = "\x1b[1mGPT2Model LOAD REPORT\x1b[0m from: %s"
     try:
-        with torchloom.quiet_libraries():
+        with torchloom.utils.quiet_libraries():
             loggers[0].warning(report, "\x1b[31mbody\x1b[0m")
             loggers[1].warning("\x1b[1mkept\x1b[0m")
         loggers[0].warning("\x1b[1mafter\x1b[0m")
@@ -264,7 +264,7 @@ def test_the_command_quiets_libraries_it_has_not_imported_through_their_variable
     code = (
         "import sys, torchloom\n"
         "env = {}\n"
-        "with torchloom.quiet_libraries(env):\n"
+        "with torchloom.utils.quiet_libraries(env):\n"
         "    pass\n"
         "print(sorted(env.items()), 'datasets' in sys.modules)\n"
     )

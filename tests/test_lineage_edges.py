@@ -1,6 +1,6 @@
-"""torchloom._lineage called directly, without a fit: the ``training`` record a checkpoint keeps, the `Resumed` read
-back from a hand-written run directory (records counted or, for an older checkpoint, by step), what is written for
-the next run and the chain read back. Fast."""
+"""torchloom.checkpoint.lineage called directly, without a fit: the ``training`` record a checkpoint keeps, the
+`Resumed` read back from a hand-written run directory (records counted or, for an older checkpoint, by step), what is
+written for the next run and the chain read back. Fast."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from torchloom._lineage import CARRIED_OVER, Resumed, read_chain, read_resumed, training_record, write_resumed
+from torchloom.checkpoint.lineage import CARRIED_OVER, Resumed, read_chain, read_resumed, training_record, write_resumed
 from torchloom.errors import RunFileError
 
 

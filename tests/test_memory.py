@@ -142,7 +142,7 @@ def test_core_holds_no_optimizer_names_or_settings():
     """Which optimizers exist and what their state weighs is the optimizer plugin's knowledge, not the core's."""
     text = CORE_MEMORY.read_text().lower()
     for word in ("adamw", "adafactor", "8bit", "sgd", "bitsandbytes", "momentum", "min_8bit_size", "embedding"):
-        assert word not in text, f"src/torchloom/memory.py mentions {word!r}"
+        assert word not in text, f"src/torchloom/tools/optimizer_memory.py mentions {word!r}"
 
 
 class Lion:

@@ -1,5 +1,5 @@
-"""The one reader of a run's metrics.jsonl (torchloom._lineage.read_records), for resuming and for inspect: what it
-keeps of a file a killed process left, and the error each caller gets for a file that cannot be read."""
+"""The one reader of a run's metrics.jsonl (torchloom.checkpoint.lineage.read_records), for resuming and for inspect:
+what it keeps of a file a killed process left, and the error each caller gets for a file that cannot be read."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from torchloom._inspect import inspect_path
-from torchloom._lineage import read_records, read_resumed
+from torchloom.checkpoint.lineage import read_records, read_resumed
 from torchloom.errors import ConfigError, RunFileError
+from torchloom.rundir.inspect import inspect_path
 
 
 def test_complete_lines_are_read_a_partial_one_and_non_objects_skipped_non_finite_names_read_back(tmp_path) -> None:

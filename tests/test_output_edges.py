@@ -37,15 +37,15 @@ def plain(monkeypatch):
     for variable in VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("TERM", "xterm-256color")
-    assert not torchloom.is_terminal(sys.stderr)  # pytest's capture
+    assert not torchloom.utils.is_terminal(sys.stderr)  # pytest's capture
 
 
 def test_is_terminal_asks_about_the_stream_it_is_given(plain, monkeypatch) -> None:
-    assert torchloom.is_terminal(Tty()) and not torchloom.is_terminal(io.StringIO())
+    assert torchloom.utils.is_terminal(Tty()) and not torchloom.utils.is_terminal(io.StringIO())
     monkeypatch.setattr(sys, "stdout", Tty())
-    assert torchloom.is_terminal()  # by default: sys.stdout
+    assert torchloom.utils.is_terminal()  # by default: sys.stdout
     monkeypatch.setenv("TERM", "dumb")  # a terminal that cannot redraw a line: not interactive
-    assert not torchloom.is_terminal(Tty())
+    assert not torchloom.utils.is_terminal(Tty())
 
 
 class _Collect(logging.Handler):

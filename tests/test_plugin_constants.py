@@ -1,9 +1,9 @@
 """The built-in plugins use the core's public constants, never a copy of one (a copy drifts when the core changes).
 
-The constants are the ones the core reserves and exports (`torchloom.INTERNAL_PREFIX`, `torchloom.MODEL_DIR`,
-`torchloom.SUMMARY_FILE`, `torchloom.Monitor.MODES`); a plugin that spells one out (a string literal starting
-with the internal prefix, a path component equal to a run-directory name, a tuple of the monitor modes) fails here
-with the place.
+The constants are the ones the core reserves and exports (`torchloom.utils.INTERNAL_PREFIX`,
+`torchloom.utils.MODEL_DIR`, `torchloom.utils.SUMMARY_FILE`, `torchloom.Monitor.MODES`); a plugin that spells one out (a
+string literal starting with the internal prefix, a path component equal to a run-directory name, a tuple of the monitor
+modes) fails here with the place.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import torchloom
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins" / "torchloom_plugins"
-PREFIXES = (torchloom.INTERNAL_PREFIX,)
-PATH_NAMES = (torchloom.MODEL_DIR, torchloom.SUMMARY_FILE)
+PREFIXES = (torchloom.utils.INTERNAL_PREFIX,)
+PATH_NAMES = (torchloom.utils.MODEL_DIR, torchloom.utils.SUMMARY_FILE)
 PATH_CALLS = {"join", "Path", "PurePath"}
 
 
@@ -50,7 +50,7 @@ def _copies(path: Path) -> list[str]:
     for node in ast.walk(tree):
         text = isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
         if text and any(node.value.startswith(prefix) for prefix in PREFIXES):
-            copies.append(f"{path.name}:{node.lineno}: {node.value!r} (use torchloom.INTERNAL_PREFIX)")
+            copies.append(f"{path.name}:{node.lineno}: {node.value!r} (use torchloom.utils.INTERNAL_PREFIX)")
         items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else None
         if items and tuple(getattr(e, "value", None) for e in items) == torchloom.Monitor.MODES:
             copies.append(f"{path.name}:{node.lineno}: {torchloom.Monitor.MODES!r} (use torchloom.Monitor.MODES)")

@@ -17,7 +17,7 @@ import torch
 
 import torchloom
 import torchloom_plugins.profiler as profiler_plugin
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask, tiny_fit
 from torchloom_plugins.profiler import Profiler
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask, tiny_fit
 
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 import torchloom
 from cli_util import SOURCE_PATHS, run_cli
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask
 
 #: The task of the job: shuffled samples, dropout, AdamW with a scheduler (so the data position, the random

@@ -1,5 +1,5 @@
-"""`torchloom._replicas`: each process's own parameters, optimizer state and loss scaler, for checkpoints of runs
-whose processes' copies differ (LocalSGD). The 2-process resumes are in tests/plugins/test_local_sgd_resume.py."""
+"""`torchloom.checkpoint.replicas`: each process's own parameters, optimizer state and loss scaler, for checkpoints of
+runs whose processes' copies differ (LocalSGD). The 2-process resumes are in tests/plugins/test_local_sgd_resume.py."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 from accelerate import Accelerator
 
 import torchloom
-from torchloom._replicas import divergent, load_replica, replica_state
-from torchloom.checkpoint import _Named
-from torchloom.state import load_plugin_state, save_plugin_state
+from torchloom.checkpoint.plugin_state import load_plugin_state, save_plugin_state
+from torchloom.checkpoint.replicas import divergent, load_replica, replica_state
+from torchloom.checkpoint.store import _Named
 
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -23,7 +23,7 @@ def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _round_trip(state, tmp_path):
-    """``state`` written and read back as a checkpoint does it (`torchloom.state`'s files)."""
+    """``state`` written and read back as a checkpoint does it (`torchloom.checkpoint.plugin_state`'s files)."""
     save_plugin_state([_Named("replica", lambda: state, lambda s: None)], tmp_path)
     kept = {}
     load_plugin_state([_Named("replica", dict, lambda s: kept.update(s))], tmp_path)

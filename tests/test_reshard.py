@@ -1,7 +1,7 @@
-"""The rules of a resume on another number of processes (`torchloom._reshard`, issue 29 item 5): which checkpoints
-another number of processes can load, which saved process each new one takes its own part from, and the merge of
-the interval's partial log sums, which must reduce over the new processes to what the saved ones would have given.
-The runs on 1 and 2 processes are in tests/test_resume_processes.py."""
+"""The rules of a resume on another number of processes (`torchloom.checkpoint.reshard`, issue 29 item 5): which
+checkpoints another number of processes can load, which saved process each new one takes its own part from, and the
+merge of the interval's partial log sums, which must reduce over the new processes to what the saved ones would have
+given. The runs on 1 and 2 processes are in tests/test_resume_processes.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchloom._reshard import merged_log_state, reshard_problems, source_rank
+from torchloom.checkpoint.reshard import merged_log_state, reshard_problems, source_rank
 
 
 def test_which_checkpoints_another_number_of_processes_can_load() -> None:

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchrun_util import MP_DIR, torchrun
 
 sys.path.insert(0, str(MP_DIR))  # the tasks and helpers shared with the torchrun script

@@ -38,7 +38,7 @@ def _unmarked(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _summary(run: Run) -> dict[str, Any]:
-    return json.loads((Path(run.engine.run_dir) / torchloom.SUMMARY_FILE).read_text())
+    return json.loads((Path(run.engine.run_dir) / torchloom.utils.SUMMARY_FILE).read_text())
 
 
 @pytest.fixture(scope="module")

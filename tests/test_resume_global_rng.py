@@ -3,8 +3,8 @@
 `AugmentTask`'s dataset adds noise drawn from torch's, numpy's and Python's global generators in ``__getitem__``
 (random augmentation), and its model draws dropout masks from torch's between two fetches. Accelerate fetches one
 batch ahead, so a checkpoint keeps the states right before the fetch of the batch after it, and a resume restores
-them in its sampler (`torchloom._fetch_states`). B stopped at any step and resumed (C) is A, the uninterrupted run,
-bitwise: every step's parameters, the history, the final state (`test_resume.assert_resumed_exactly`).
+them in its sampler (`torchloom.checkpoint.fetch_states`). B stopped at any step and resumed (C) is A, the uninterrupted
+run, bitwise: every step's parameters, the history, the final state (`test_resume.assert_resumed_exactly`).
 
 Before this change every mid-epoch stop below drifted from its first resumed step (the resumed batches were
 augmented with other numbers): the final parameters were off by 0.154, 0.061, 0.039, 0.014 and 0.008 (stops at
@@ -23,8 +23,8 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, IterableDataset
 
-from torchloom._fetch_states import Watch, resume_source
-from torchloom._random_states import random_states
+from torchloom.checkpoint.fetch_states import Watch, resume_source
+from torchloom.checkpoint.random_states import random_states
 from torchrun_util import MP_DIR
 
 sys.path.insert(0, str(MP_DIR))

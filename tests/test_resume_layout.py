@@ -28,7 +28,7 @@ sys.path.insert(0, str(MP_DIR))
 
 from resume_fit import ShuffleTask, fit
 
-from torchloom._data_position import DataOrder, data_order, layout_problems, position, resume_point
+from torchloom.checkpoint.data_position import DataOrder, data_order, layout_problems, position, resume_point
 
 N = 64
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 import torchloom
-from torchloom import _async_save
-from torchloom import checkpoint as checkpoint_module
-from torchloom.checkpoint import list_checkpoints, read_manifest, verify_files
+from torchloom.checkpoint import async_save as _async_save
+from torchloom.checkpoint import store as checkpoint_module
+from torchloom.checkpoint.store import list_checkpoints, read_manifest, verify_files
 from torchloom.testing import TinyTask
 from torchrun_util import MP_DIR
 

@@ -1,5 +1,5 @@
-"""torchloom._retention.prune_checkpoints called directly on run directories laid out by hand (manifests in the
-checkpoint format, no weights: pruning reads the manifests only): which checkpoints go, in which order, and what is
+"""torchloom.checkpoint.retention.prune_checkpoints called directly on run directories laid out by hand (manifests in
+the checkpoint format, no weights: pruning reads the manifests only): which checkpoints go, in which order, and what is
 never touched. Fast, no fit."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from torchloom import _atomic
-from torchloom._lineage import Resumed
-from torchloom._retention import prune_checkpoints, prune_lineage
-from torchloom.checkpoint import FORMAT, MANIFEST, VERSION, list_checkpoints
+from torchloom.checkpoint.lineage import Resumed
+from torchloom.checkpoint.retention import prune_checkpoints, prune_lineage
+from torchloom.checkpoint.store import FORMAT, MANIFEST, VERSION, list_checkpoints
+from torchloom.rundir import atomic as _atomic
 
 
 def _checkpoint(output_dir: Path, run: int, step: int, **metrics: object) -> Path:

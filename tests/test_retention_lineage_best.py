@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask
 
 # TinyTask: 8 optimizer steps per epoch, 2 epochs; a validation every 2 steps, a checkpoint every 2 steps.

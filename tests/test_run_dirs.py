@@ -151,7 +151,7 @@ def test_a_full_disk_while_writing_metrics_leaves_only_complete_lines(tmp_path):
 
 
 def test_a_partial_last_line_is_cut_when_the_file_is_opened_again(tmp_path):
-    from torchloom._runfiles import MetricsFile
+    from torchloom.rundir.runfiles import MetricsFile
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2, "train/lo')  # a process killed mid-write
@@ -181,7 +181,7 @@ def test_predict_writes_its_predictions_into_its_own_run_directory(tmp_path):
 
 
 def test_predictions_of_a_dict_of_tensors_are_one_line_per_sample(tmp_path):
-    from torchloom._runfiles import write_predictions
+    from torchloom.rundir.runfiles import write_predictions
 
     class One:
         num_processes, process_index = 1, 0
@@ -239,7 +239,7 @@ def test_on_run_start_names_the_run_directory_and_its_config_for_every_stage(tmp
 def test_run_directories_are_ordered_by_number_wherever_they_are_listed(tmp_path):
     """version_10 comes after version_9 (not between version_1 and version_2) for the next run's number, for the
     latest checkpoint (tests/plugins/test_checkpoint.py) and in inspect's hint."""
-    from torchloom._layout import run_directories
+    from torchloom.rundir.layout import run_directories
 
     for n in (10, 2, 9, 1):
         (tmp_path / f"version_{n}").mkdir()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask, tiny_fit
 
 STEPS_PER_EPOCH = 8  # TinyTask

@@ -1,6 +1,6 @@
-"""`torchloom.count_parameters` and `torchloom.optimizer_state_bytes`: exact counts by hand, shared parameters once,
-4-bit weights counted as the weights they pack, a frozen part without optimizer state; and the run summary's
-``parameters`` / ``optimizer_state_bytes`` (the ``progress`` plugin) equal to them."""
+"""`torchloom.utils.count_parameters` and `torchloom.utils.optimizer_state_bytes`: exact counts by hand, shared
+parameters once, 4-bit weights counted as the weights they pack, a frozen part without optimizer state; and the run
+summary's ``parameters`` / ``optimizer_state_bytes`` (the ``progress`` plugin) equal to them."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_counts_by_hand_and_shared_parameters_once():
     model[1].weight = model[0].weight  # tied: 40 weights, not 80
     model[0].requires_grad_(False)
     extra = torch.nn.Linear(4, 2).to(torch.float16)
-    counts = torchloom.count_parameters(torch.nn.ModuleList([model, extra]))
+    counts = torchloom.utils.count_parameters(torch.nn.ModuleList([model, extra]))
     assert counts == {"total": 50, "trainable": 10, "bytes": 40 * 4 + 10 * 2, "dtypes": {"float32": 40, "float16": 10}}
 
 
@@ -40,14 +40,14 @@ def test_optimizer_state_bytes_counts_only_what_stepped():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
     model[0].requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
-    assert torchloom.optimizer_state_bytes(optimizer) == 0  # before the first step
+    assert torchloom.utils.optimizer_state_bytes(optimizer) == 0  # before the first step
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     # 4 trainable weights: exp_avg and exp_avg_sq in float32, and a float32 step per parameter tensor (2)
-    assert torchloom.optimizer_state_bytes(optimizer) == 2 * 4 * 4 + 2 * 4
+    assert torchloom.utils.optimizer_state_bytes(optimizer) == 2 * 4 * 4 + 2 * 4
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     sgd.step()
-    assert torchloom.optimizer_state_bytes(sgd) == 0  # plain SGD keeps none
+    assert torchloom.utils.optimizer_state_bytes(sgd) == 0  # plain SGD keeps none
 
 
 def test_a_4bit_layer_counts_the_weights_it_packs():
@@ -55,9 +55,9 @@ def test_a_4bit_layer_counts_the_weights_it_packs():
     from torchloom_plugins.peft import quantize_linear_layers
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
-    before = torchloom.count_parameters(model)
+    before = torchloom.utils.count_parameters(model)
     quantize_linear_layers(model, 4, compute_dtype=torch.float32, skip=("2",))
-    after = torchloom.count_parameters(model)
+    after = torchloom.utils.count_parameters(model)
     assert after["total"] == before["total"] == 64 * 32 + 32 + 32 * 2 + 2
     assert after["trainable"] == 0  # the quantised base is frozen
     # the 2048 weights packed two per byte; the biases and the skipped layer in float32
@@ -68,7 +68,7 @@ def test_a_4bit_layer_counts_the_weights_it_packs():
 def test_the_fit_summary_records_the_parameters_and_the_optimizer_state(tmp_path, capsys):
     engine = torchloom.Engine(output_dir=str(tmp_path), max_epochs=1, seed=0, plugins=["progress"])
     engine.fit(FrozenFirst())
-    summary = json.loads((Path(engine.run_dir) / torchloom.SUMMARY_FILE).read_text())
+    summary = json.loads((Path(engine.run_dir) / torchloom.utils.SUMMARY_FILE).read_text())
     assert summary["parameters"] == {"total": 19, "trainable": 4, "bytes": 76}
     assert summary["optimizer_state_bytes"] == 40
     out = capsys.readouterr().out
@@ -84,7 +84,7 @@ def test_4bit_weights_in_a_wider_storage_dtype_count_the_weights_they_pack():
     assert weight.dtype == torch.bfloat16 and weight.numel() == 512
     module = torch.nn.Module()
     module.weight = weight
-    counts = torchloom.count_parameters(module)
+    counts = torchloom.utils.count_parameters(module)
     assert counts["total"] == 2048 and counts["bytes"] == 1024
     assert counts["dtypes"] == {"bfloat16": 2048}
 
@@ -96,10 +96,10 @@ def test_optimizer_state_bytes_reads_through_accelerates_wrapper_and_counts_shar
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=False)
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    alone = torchloom.optimizer_state_bytes(optimizer)
+    alone = torchloom.utils.optimizer_state_bytes(optimizer)
     assert alone == 2 * 4 * 4 + 2 * 4
-    assert torchloom.optimizer_state_bytes(AcceleratedOptimizer(optimizer, device_placement=False)) == alone
+    assert torchloom.utils.optimizer_state_bytes(AcceleratedOptimizer(optimizer, device_placement=False)) == alone
     shared = torch.zeros(256)  # one tensor in two parameters' state (as bitsandbytes' quantization maps)
     for state in optimizer.state.values():
         state["qmap"] = shared
-    assert torchloom.optimizer_state_bytes(optimizer) == alone + 256 * 4
+    assert torchloom.utils.optimizer_state_bytes(optimizer) == alone + 256 * 4

@@ -27,7 +27,7 @@ import pytest
 
 from cli_util import SOURCE_PATHS, run_cli
 from test_preempt_requeue import KEEP_LAST, _project, _records, _weights
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
 

@@ -1,4 +1,4 @@
-"""Strict JSON (`torchloom._strict_json`, public as `torchloom.json_dumps`): one spelling of non-finite floats in
+"""Strict JSON (`torchloom._strict_json`, public as `torchloom.utils.json_dumps`): one spelling of non-finite floats in
 every JSON file torchloom writes, and no writer of a JSON file that goes around it."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_non_finite_floats_are_their_names_at_any_depth():
     value = {"a": math.nan, "b": [math.inf, (-math.inf, 1.5)], 3: {"c": np.float64("nan")}, "d": "NaN", "e": None}
-    text = torchloom.json_dumps(value, sort_keys=True)
+    text = torchloom.utils.json_dumps(value, sort_keys=True)
     assert json.loads(text, parse_constant=pytest.fail) == {
         "3": {"c": "NaN"},
         "a": "NaN",
@@ -36,7 +36,7 @@ def test_read_number_reads_the_names_back():
 
 def test_default_cannot_smuggle_a_nan_literal_in():
     with pytest.raises(ValueError):
-        torchloom.json_dumps({"x": object()}, default=lambda o: math.nan)
+        torchloom.utils.json_dumps({"x": object()}, default=lambda o: math.nan)
 
 
 def test_the_tag_round_trips_and_names_what_is_valid():

@@ -311,7 +311,7 @@ def test_inspect_names_a_model_card_that_is_empty_or_no_object(tmp_path, content
     import torch
     from safetensors.torch import save_file
 
-    from torchloom._inspect import inspect_path
+    from torchloom.rundir.inspect import inspect_path
 
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     card = tmp_path / "torchloom_model.json"

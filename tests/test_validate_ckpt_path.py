@@ -17,7 +17,7 @@ import yaml
 
 import torchloom
 from cli_util import run_cli  # the torchloom command, in this process
-from torchloom.checkpoint import list_checkpoints, read_manifest
+from torchloom.checkpoint.store import list_checkpoints, read_manifest
 from torchloom.testing import TinyTask
 
 #: TinyTask(n=16, batch_size=4): 4 optimizer steps per epoch; validated and checkpointed every 2 steps, so each

@@ -1,4 +1,4 @@
-"""torchloom's warnings name the user's line (`torchloom.warn`): from the loop, from a resume, from a plugin's
+"""torchloom's warnings name the user's line (`torchloom.utils.warn`): from the loop, from a resume, from a plugin's
 settings, from a built-in plugin's hook, and from a plugin defined in the same file as the fit that runs it."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Noisy(torchloom.Plugin):
         self._say()
 
     def _say(self) -> None:
-        torchloom.warn("noisy: hello")
+        torchloom.utils.warn("noisy: hello")
 
 
 def test_a_plugin_in_the_users_own_file_names_the_fit_line_not_its_hook(tmp_path):
@@ -72,4 +72,4 @@ def test_a_plugin_in_the_users_own_file_names_the_fit_line_not_its_hook(tmp_path
 
 def test_warn_takes_a_category():
     with pytest.warns(DeprecationWarning, match="old"):
-        torchloom.warn("old", DeprecationWarning)
+        torchloom.utils.warn("old", DeprecationWarning)

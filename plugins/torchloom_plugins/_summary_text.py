@@ -90,8 +90,8 @@ def sizes_line(parameters: dict[str, int], optimizer_bytes: int) -> str:
     total, trainable = parameters["total"], parameters["trainable"]
     share = f", {100 * trainable / total:.3g} %" if 0 < trainable < total else ""
     return (
-        f"parameters {total:,} ({trainable:,} trainable{share}), {torchloom.format_bytes(parameters['bytes'])}; "
-        f"optimizer state {torchloom.format_bytes(optimizer_bytes)}"
+        f"parameters {total:,} ({trainable:,} trainable{share}), {torchloom.utils.format_bytes(parameters['bytes'])}; "
+        f"optimizer state {torchloom.utils.format_bytes(optimizer_bytes)}"
     )
 
 
@@ -122,13 +122,14 @@ def seconds(value: float) -> str:
 
 def write_json(path: str, data: dict[str, Any]) -> None:
     """Write ``data`` as strict JSON (a non-finite number as the string ``"NaN"`` / ``"Infinity"`` /
-    ``"-Infinity"``, as in ``metrics.jsonl``: `torchloom.json_dumps`) atomically (`torchloom.write_atomically`).
+    ``"-Infinity"``, as in ``metrics.jsonl``: `torchloom.utils.json_dumps`) atomically
+    (`torchloom.utils.write_atomically`).
 
     Raises:
         RunFileError: the file cannot be written (the message names it and the OS error).
     """
-    text = torchloom.json_dumps(data, indent=2) + "\n"
+    text = torchloom.utils.json_dumps(data, indent=2) + "\n"
     try:
-        torchloom.write_atomically(path, text)  # readers see no file or the whole file
+        torchloom.utils.write_atomically(path, text)  # readers see no file or the whole file
     except OSError as exc:
         raise torchloom.RunFileError(f"cannot write {path!r}: {exc.strerror or exc}") from exc

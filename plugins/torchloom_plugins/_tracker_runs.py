@@ -123,5 +123,5 @@ def write_runs(run_dir: str, runs: Mapping[str, Mapping[str, Any]], last_step: i
     """Write `TRACKERS_FILE` into ``run_dir`` (main process; atomically): the runs (`run_ids`) and, once known, the
     highest step logged to them (at the run's end; ``None`` while it runs)."""
     entries = {name: {**entry, "last_step": last_step} for name, entry in runs.items()}
-    text = torchloom.json_dumps({"runs": entries}, indent=1) + "\n"
-    torchloom.write_atomically(os.path.join(run_dir, TRACKERS_FILE), text)
+    text = torchloom.utils.json_dumps({"runs": entries}, indent=1) + "\n"
+    torchloom.utils.write_atomically(os.path.join(run_dir, TRACKERS_FILE), text)

@@ -335,7 +335,7 @@ class AutoBatch(torchloom.Plugin):
                     if len(outputs) > 1:  # of the pieces before the last, only what _combined reads is kept
                         outputs[-2] = {k: outputs[-2][k] for k in ("loss", "num_items") if k in outputs[-2]}
                 except Exception as exc:  # not kept: the frames of an out-of-memory error hold the activations
-                    if not torchloom.is_out_of_memory(exc):
+                    if not torchloom.utils.is_out_of_memory(exc):
                         raise
                     failed = self._phase
             hooks.agree_out_of_memory(failed)  # every process, after every piece: before any later collective
@@ -409,7 +409,7 @@ class AutoBatch(torchloom.Plugin):
             size, source = self._planned(rows, model, accelerator)
         self.micro_batch_size = size
         if accelerator.is_main_process:
-            torchloom.warn(
+            torchloom.utils.warn(
                 f"auto_batch: micro-batch {size} x accumulation {rows // size} x {world} process(es) = effective "
                 f"batch {rows * world} ({source})"
             )
@@ -426,10 +426,10 @@ class AutoBatch(torchloom.Plugin):
             return rows, f"the whole batch: the planner could not estimate this model: {exc}"
         suggestion = estimate.rows[0].suggestion
         if suggestion is None:
-            return 1, f"the planner: not even a micro-batch of 1 fits {torchloom.format_bytes(estimate.budget)}"
+            return 1, f"the planner: not even a micro-batch of 1 fits {torchloom.utils.format_bytes(estimate.budget)}"
         return suggestion.micro_batch_size, (
-            f"the planner's suggestion for {torchloom.format_bytes(estimate.budget)}: "
-            f"{torchloom.format_bytes(suggestion.total)}"
+            f"the planner's suggestion for {torchloom.utils.format_bytes(estimate.budget)}: "
+            f"{torchloom.utils.format_bytes(suggestion.total)}"
         )
 
     def _estimate(self, model: Any, accelerator: Any, batch: int, budget: int | str | None) -> Any:
@@ -481,7 +481,7 @@ class AutoBatch(torchloom.Plugin):
         self.micro_batch_size = smaller
         self.changes.append({"step": step, "from": current, "to": smaller, "phases": dict(phases)})
         if accelerator.is_main_process:
-            torchloom.warn(
+            torchloom.utils.warn(
                 f"auto_batch: out of memory at step {step} on {where}: micro-batch {current} -> {smaller}, "
                 f"accumulation {self._rows // current} -> {self._rows // smaller} (effective batch "
                 f"{self._rows * accelerator.num_processes} unchanged); redoing the step"
@@ -492,7 +492,7 @@ class AutoBatch(torchloom.Plugin):
             row = self._estimate(model, accelerator, 1, None).rows[0]
         except (torchloom.TorchloomError, RuntimeError, TypeError, ValueError) as exc:
             return f"The planner could not estimate this model ({exc})."
-        fmt = torchloom.format_bytes
+        fmt = torchloom.utils.format_bytes
         return (
             f"The planner estimates {fmt(row.total)} per process at micro-batch 1 (weights {fmt(row.weights)}, "
             f"gradients {fmt(row.gradients)}, optimizer state {fmt(row.optimizer_state)}, activations "

@@ -36,8 +36,8 @@ Method card
   after the signal. Only the main process
   deletes old checkpoints; with ``keep_across_runs`` and several processes it tells the others which (one gather
   per save).
-- **Atomic:** a checkpoint is complete or absent (see `torchloom.checkpoint`); old ones are deleted only after a new
-  one is complete, each by a rename out of sight first, so a kill at any moment leaves the newest complete
+- **Atomic:** a checkpoint is complete or absent (see `torchloom.checkpoint.store`); old ones are deleted only after
+  a new one is complete, each by a rename out of sight first, so a kill at any moment leaves the newest complete
   checkpoint loadable. ``keep_across_runs`` deletes nothing of a run that another process is still running (its
   run directory is marked in use while its fit runs). Retention counts complete checkpoints only (a failed save,
   or one gone since, is not counted), so the newest complete one is never deleted. ``keep_best`` ranks the
@@ -75,7 +75,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ASYNC_UNSUPPORTED = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 #: What a fit under SLURM writes into its run directory: the job id and its restart counter.
 SLURM_FILE = "slurm.json"
-#: The file that makes a checkpoint directory complete (`torchloom.checkpoint`: written last, then one rename).
+#: The file that makes a checkpoint directory complete (`torchloom.checkpoint.store`: written last, then one rename).
 MANIFEST = "manifest.json"
 
 
@@ -265,7 +265,7 @@ class Checkpoint(torchloom.Plugin):
             f"every_n_steps = {steps} (this fit ends at optimizer step {total})" if steps is not None else "",
             f"every_n_epochs = {epochs} (it ends after epoch {max_epochs})" if epochs is not None else "",
         ]
-        torchloom.warn(
+        torchloom.utils.warn(
             f"checkpoint: no checkpoint will be saved in this fit: {' and '.join(s for s in schedules if s)}; only a "
             "stop by a signal would save one. Lower every_n_steps or every_n_epochs, or train longer",
         )
@@ -318,7 +318,7 @@ class Checkpoint(torchloom.Plugin):
             return
         saves = [step for step, _ in monitor.uses]
         if saves and not any(fresh for _, fresh in monitor.uses):
-            torchloom.warn(
+            torchloom.utils.warn(
                 f"checkpoint: monitor {monitor.name!r} was logged at {monitor.describe_steps(monitor.steps)}, but "
                 f"none of the {len(saves)} checkpoints of this fit (at {monitor.describe_steps(saves)}) was saved at "
                 "a step where it was logged: each one's score is a value of earlier weights, or none, and keep_best "
@@ -385,7 +385,7 @@ class Checkpoint(torchloom.Plugin):
         try:
             self._record(accelerator, path, in_flight[2])
         except Exception as exc:  # a deletion failed: the fit's own error stays the one raised
-            torchloom.warn(f"checkpoint: after the fit failed, keeping {path!r}: {exc}")
+            torchloom.utils.warn(f"checkpoint: after the fit failed, keeping {path!r}: {exc}")
 
     def _settle(self, accelerator) -> None:
         """Wait for the save in flight (every process, at the same point) and keep it as a complete checkpoint."""
@@ -440,28 +440,30 @@ class Checkpoint(torchloom.Plugin):
             "node": environ.get("SLURMD_NODENAME"),
             "resumed_from": self.resumed_from,
         }
-        torchloom.write_atomically(
-            os.path.join(self._run_dir, SLURM_FILE), torchloom.json_dumps(record, indent=1) + "\n"
+        torchloom.utils.write_atomically(
+            os.path.join(self._run_dir, SLURM_FILE), torchloom.utils.json_dumps(record, indent=1) + "\n"
         )
 
     def _requeue(self) -> None:
         """``scontrol requeue $SLURM_JOB_ID`` after the save on a signal (main process); warns when it cannot."""
         job = os.environ.get("SLURM_JOB_ID")
         if not job:
-            torchloom.warn("checkpoint: requeue is set but SLURM_JOB_ID is not: not a SLURM job, nothing requeued")
+            torchloom.utils.warn(
+                "checkpoint: requeue is set but SLURM_JOB_ID is not: not a SLURM job, nothing requeued"
+            )
             return
         scontrol = shutil.which("scontrol")
         if scontrol is None:
-            torchloom.warn(f"checkpoint: cannot requeue SLURM job {job}: no 'scontrol' on PATH")
+            torchloom.utils.warn(f"checkpoint: cannot requeue SLURM job {job}: no 'scontrol' on PATH")
             return
         try:
             done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            torchloom.warn(f"checkpoint: cannot requeue SLURM job {job}: scontrol requeue {job}: {exc}")
+            torchloom.utils.warn(f"checkpoint: cannot requeue SLURM job {job}: scontrol requeue {job}: {exc}")
             return
         if done.returncode != 0:
             why = " ".join((done.stderr or done.stdout).split()) or f"exit status {done.returncode}"
-            torchloom.warn(f"checkpoint: cannot requeue SLURM job {job}: scontrol requeue {job}: {why}")
+            torchloom.utils.warn(f"checkpoint: cannot requeue SLURM job {job}: scontrol requeue {job}: {why}")
             return
         print(f"checkpoint: requeued SLURM job {job} (scontrol requeue {job})", flush=True)
 

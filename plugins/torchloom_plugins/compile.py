@@ -115,7 +115,7 @@ class CompileConfig:
 
 
 def _did_you_mean(value: Any, valid: Any) -> str:
-    close = torchloom.closest_name(str(value), valid)
+    close = torchloom.utils.closest_name(str(value), valid)
     return f" (did you mean {close!r}?)" if close else ""
 
 
@@ -227,7 +227,7 @@ class Compile(torchloom.Plugin):
         if self.recompiles > self.config.recompile_warn_threshold and not self._warned:
             self._warned = True
             reason = last_recompile_reason()
-            torchloom.warn(
+            torchloom.utils.warn(
                 f"compile: {self.recompiles} graphs were recompiled after the first step (threshold "
                 f"{self.config.recompile_warn_threshold}; last reason: {reason or 'not recorded'}): the inputs keep "
                 "changing shape (or dtype), typically a "

@@ -86,13 +86,13 @@ class EarlyStoppingConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.monitor, str) or not self.monitor.strip():
             raise ConfigError(f"setting 'monitor' = {self.monitor!r}: expected a logged name such as 'val/loss'")
-        if self.monitor.startswith(torchloom.INTERNAL_PREFIX):
+        if self.monitor.startswith(torchloom.utils.INTERNAL_PREFIX):
             raise ConfigError(
-                f"setting 'monitor' = {self.monitor!r}: names under {torchloom.INTERNAL_PREFIX!r} are the engine's own "
-                "checks and never reach on_log; monitor a name the task or a plugin logs"
+                f"setting 'monitor' = {self.monitor!r}: names under {torchloom.utils.INTERNAL_PREFIX!r} are the "
+                "engine's own checks and never reach on_log; monitor a name the task or a plugin logs"
             )
         if self.mode not in torchloom.Monitor.MODES:
-            close = torchloom.closest_name(str(self.mode), torchloom.Monitor.MODES)
+            close = torchloom.utils.closest_name(str(self.mode), torchloom.Monitor.MODES)
             hint = f" (did you mean {close!r}?)" if close else ""
             raise ConfigError(f"setting 'mode' = {self.mode!r}{hint}: expected 'min' (lower is better) or 'max'")
         if not _is_int(self.patience) or self.patience < 1:
@@ -228,7 +228,7 @@ class EarlyStopping(torchloom.Plugin):
             done = f"{n} time{'s' if n != 1 else ''} while training, at {monitor.describe_steps(checks)}"
         else:
             done = f"0 times while training (it was logged only after training, at {logged})"
-        torchloom.warn(
+        torchloom.utils.warn(
             f"early_stopping: monitor {cfg.monitor!r} was checked {done}; with patience {cfg.patience} a stop needs "
             f"{self._needed} checks while training, so patience could never stop this fit. Log {cfg.monitor!r} "
             "more often (engine settings val_check_interval, log_every_n_steps) or lower patience",

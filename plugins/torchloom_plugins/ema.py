@@ -146,7 +146,7 @@ class ExponentialMovingAverage(torchloom.Plugin):
             )
             if on
         ]
-        torchloom.warn(
+        torchloom.utils.warn(
             f"ema: every = {every} optimizer steps, and this fit takes {steps}: the average is never updated and "
             f"stays the weights the fit started from{'; ' + ' and '.join(uses) if uses else ''}. Set every to at "
             f"most {self.steps + steps}, or train longer",

@@ -192,7 +192,7 @@ class GenerateConfig:
             elif "." in entry or ":" in entry:
                 functions[re.split(r"[.:]", entry)[-1]] = _load_callable(entry)
             else:
-                close = torchloom.closest_name(entry, METRICS)
+                close = torchloom.utils.closest_name(entry, METRICS)
                 hint = f"; did you mean {close!r}?" if close else "."
                 raise torchloom.ConfigError(
                     f"generate: setting 'metrics': unknown metric {entry!r}{hint} Valid: {', '.join(METRICS)}, or a "
@@ -225,7 +225,7 @@ def check_generate_kwargs(model: Any, kwargs: Mapping[str, Any]) -> None:
             validate({key: value})
         except ValueError:
             settings = sorted(set(GenerationConfig().to_dict()) | named)
-            close = torchloom.closest_name(key, settings)
+            close = torchloom.utils.closest_name(key, settings)
             hint = f"; did you mean {close!r}?" if close else ""
             raise torchloom.ConfigError(
                 f"generate: setting 'generate_kwargs' has {key!r}, which {type(model).__name__}.generate does not "

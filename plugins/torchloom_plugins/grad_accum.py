@@ -277,7 +277,7 @@ class GradientAccumulation(torchloom.Plugin):
             return
         self._warned_short_epoch = True
         if accelerator.is_local_main_process:
-            torchloom.warn(
+            torchloom.utils.warn(
                 f"grad_accum: an epoch has only {epoch_micro_batches} micro-batches, fewer than steps="
                 f"{self.config.steps}; each epoch's window is flushed at the end of the epoch with "
                 f"{epoch_micro_batches} micro-batches (gradients scaled by its real size), so every optimizer "

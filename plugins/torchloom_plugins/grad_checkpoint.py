@@ -279,7 +279,7 @@ class GradientCheckpointing(torchloom.Plugin):
     @torchloom.hookimpl
     def on_fit_start(self, accelerator) -> None:
         if self.config.use_reentrant and accelerator.num_processes > 1:
-            torchloom.warn(
+            torchloom.utils.warn(
                 "grad_checkpoint: use_reentrant=True under DDP fails with 'Expected to mark a variable ready "
                 "only once' when a checkpointed module runs twice in one forward or find_unused_parameters is "
                 "on (huggingface/peft #313); use_reentrant=False (the default) has no such limit",

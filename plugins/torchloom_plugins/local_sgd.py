@@ -80,7 +80,7 @@ class LocalSGDConfig:
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
             raise ConfigError(f"setting 'sync_every' = {self.sync_every!r}: expected an integer >= 1 (optimizer steps)")
         if self.outer_optimizer is not None and self.outer_optimizer not in OUTER_OPTIMIZERS:
-            close = torchloom.closest_name(str(self.outer_optimizer), OUTER_OPTIMIZERS)
+            close = torchloom.utils.closest_name(str(self.outer_optimizer), OUTER_OPTIMIZERS)
             raise ConfigError(
                 f"setting 'outer_optimizer' = {self.outer_optimizer!r}"
                 f"{f' (did you mean {close!r}?)' if close else ''}: expected null (plain averaging) or one of "
@@ -142,7 +142,7 @@ class LocalSGDPlugin(torchloom.Plugin):
         except NotImplementedError as exc:
             raise PluginError(f"local_sgd: {exc} (this run: {accelerator.distributed_type})") from None
         if not local_sgd.enabled:
-            torchloom.warn(
+            torchloom.utils.warn(
                 f"local_sgd: the run has {accelerator.num_processes} process and no data parallelism "
                 f"({accelerator.distributed_type}); LocalSGD does nothing. Launch with several processes "
                 "(torchrun --nproc_per_node N) to use it",

@@ -181,7 +181,7 @@ class OptimizerConfig:
         if self.scheduler is not None:
             valid = _schedule_names()
             if self.scheduler not in valid:
-                close = torchloom.closest_name(self.scheduler, valid)
+                close = torchloom.utils.closest_name(self.scheduler, valid)
                 hint = f" (did you mean {close!r}?)" if close else ""
                 raise ConfigError(f"setting 'scheduler' = {self.scheduler!r}{hint}: expected one of {', '.join(valid)}")
         if self.lr is None and self.scheduler not in (None, "constant"):
@@ -445,7 +445,7 @@ def create_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig, 
         raise ConfigError(f"setting 'scheduler_kwargs' = {c.scheduler_kwargs!r} for {c.scheduler!r}: {exc}") from None
 
 
-optimizer_state_bytes = torchloom.optimizer_state_bytes  # re-exported: the functional core's name
+optimizer_state_bytes = torchloom.utils.optimizer_state_bytes  # re-exported: the functional core's name
 
 
 # bitsandbytes 0.45-0.50 (`Optimizer2State.init_state`): blockwise 8-bit state uses one float32 absmax per

@@ -54,7 +54,8 @@ from typing import Any
 import torch
 
 import torchloom
-from torchloom import ConfigError, closest_name
+from torchloom import ConfigError
+from torchloom.utils import closest_name
 
 __all__ = ["Peft", "PeftPluginConfig", "apply_adapter", "merged_copy", "quantize_linear_layers"]
 

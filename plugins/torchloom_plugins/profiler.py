@@ -109,7 +109,7 @@ class ProfilerConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"setting {name!r} = {value!r}; expected an integer >= {least}")
         if self.sort_by is not None and self.sort_by not in SORT_KEYS:
-            close = torchloom.closest_name(str(self.sort_by), SORT_KEYS)
+            close = torchloom.utils.closest_name(str(self.sort_by), SORT_KEYS)
             hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(
                 f"setting 'sort_by' = {self.sort_by!r}: not a column of the operations table{hint} Valid: "
@@ -186,13 +186,13 @@ class Profiler(torchloom.Plugin):
         cycles = min(cfg.repeat, -(-(steps - first) // cfg.cycle)) if steps > first else 0
         schedule = f"wait {cfg.wait}, warmup {cfg.warmup}, active {cfg.active}, repeat {cfg.repeat}"
         if cycles == 0:
-            torchloom.warn(
+            torchloom.utils.warn(
                 f"profiler: this fit takes {steps} optimizer step{'s' if steps != 1 else ''}, and the schedule "
                 f"({schedule}) records from optimizer step {first + 1} on: no optimizer step will be profiled. Lower "
                 f"wait + warmup to at most {steps - 1}, or train longer",
             )
         elif cycles < cfg.repeat:
-            torchloom.warn(
+            torchloom.utils.warn(
                 f"profiler: this fit takes {steps} optimizer steps, enough for {cycles} of the {cfg.repeat} cycles of "
                 f"the schedule ({schedule}, {cfg.cycle} steps a cycle): only {cycles} will be recorded. Lower repeat "
                 f"to {cycles}, shorten the cycle, or train longer",
@@ -230,10 +230,10 @@ class Profiler(torchloom.Plugin):
         os.makedirs(directory, exist_ok=True)
         stem = f"rank{self._rank}-cycle{self._cycles}"
         trace = os.path.join(directory, f"trace-{stem}.json")
-        torchloom.write_atomically(trace, profiler.export_chrome_trace)
+        torchloom.utils.write_atomically(trace, profiler.export_chrome_trace)
         table = profiler.key_averages(group_by_input_shape=self.config.record_shapes).table(
             sort_by=self._sort_by, row_limit=self.config.row_limit
         )
         ops = os.path.join(directory, f"ops-{stem}.txt")
-        torchloom.write_atomically(ops, table + "\n")
+        torchloom.utils.write_atomically(ops, table + "\n")
         self.written += [trace, ops]

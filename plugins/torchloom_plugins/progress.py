@@ -7,8 +7,8 @@ Method card
   training loss, steps per second, elapsed time and ETA; a line with the values of each validation pass; at the
   end of a completed ``fit`` (and of a ``validate``) a table of every logged name with its last and its best
   value, then the optimizer steps, epochs and samples; the model's parameters (total, trainable, bytes as held:
-  `torchloom.count_parameters`) and the optimizer state's bytes on the main process at the end
-  (`torchloom.optimizer_state_bytes`); the training time (from the first epoch's start to the
+  `torchloom.utils.count_parameters`) and the optimizer state's bytes on the main process at the end
+  (`torchloom.utils.optimizer_state_bytes`); the training time (from the first epoch's start to the
   end of training, validation passes excluded) with the samples and steps per second measured over it (the HF
   Trainer's ``train_runtime`` and ``train_samples_per_second = samples / train_runtime``); the wall time of the
   whole call (set-up, validation and saving included) on a line of its own; the run directory and where the
@@ -20,8 +20,8 @@ Method card
   second by rich's own thread; ``print`` output and warnings appear above it). Otherwise (CI logs, ``| tee``,
   files, notebooks) no bar: one plain line per ``on_log`` of training values, at most one per
   ``plain_every_n_seconds``. ``NO_COLOR`` turns colours off; ``terminal`` overrides the detection. The detection
-  is `torchloom.is_terminal`, the rule by which the engine also keeps the libraries' own progress bars out of
-  output that is not a terminal (`torchloom.quiet_libraries`).
+  is `torchloom.utils.is_terminal`, the rule by which the engine also keeps the libraries' own progress bars out of
+  output that is not a terminal (`torchloom.utils.quiet_libraries`).
 - **Cost on the hot path:** no host-device synchronisation. The step comes from ``progress.global_step``, the
   loss only from ``on_log`` (which the engine already reduced to Python floats at the logging interval), the
   sample count from the batch's shape (`accelerate.utils.find_batch_size`, a metadata read). Per micro-batch,
@@ -261,7 +261,7 @@ class ProgressBar(torchloom.Plugin):
         if self.config.terminal is not None:
             self._bar_mode = self.config.terminal
         else:  # stdout is a terminal that can redraw a line: torchloom's one rule, rich's detection
-            self._bar_mode = torchloom.is_terminal(self.console.file)
+            self._bar_mode = torchloom.utils.is_terminal(self.console.file)
 
     # -------------------------------------------------------------------------------------------- fit
 
@@ -530,7 +530,7 @@ class ProgressBar(torchloom.Plugin):
             "runs": 1 + (len(self._resumed.chain) if self._resumed is not None else 0),
             "resumed_from": self._resumed.checkpoint if self._resumed is not None else None,
             "run_dir": self._run_dir,
-            "model_dir": os.path.join(self._run_dir, torchloom.MODEL_DIR) if self._save_model else None,
+            "model_dir": os.path.join(self._run_dir, torchloom.utils.MODEL_DIR) if self._save_model else None,
             **self._sizes(),
         }
 
@@ -539,10 +539,10 @@ class ProgressBar(torchloom.Plugin):
         process, at the end of the fit (tensor metadata only)."""
         if self._model is None:
             return {"parameters": None, "optimizer_state_bytes": None}
-        counts = torchloom.count_parameters(self._model)
+        counts = torchloom.utils.count_parameters(self._model)
         return {
             "parameters": {key: counts[key] for key in ("total", "trainable", "bytes")},
-            "optimizer_state_bytes": torchloom.optimizer_state_bytes(self._optimizer),
+            "optimizer_state_bytes": torchloom.utils.optimizer_state_bytes(self._optimizer),
         }
 
     def _validate_summary(self) -> dict[str, Any]:
@@ -560,7 +560,7 @@ class ProgressBar(torchloom.Plugin):
         self.console.print(self._table(summary))
         for line in summary_text.info_lines(summary):
             self._say(line)
-        summary_text.write_json(os.path.join(summary["run_dir"], torchloom.SUMMARY_FILE), summary)
+        summary_text.write_json(os.path.join(summary["run_dir"], torchloom.utils.SUMMARY_FILE), summary)
 
     def _table(self, summary: dict[str, Any]) -> Table:
         fit = summary["stage"] == "fit"

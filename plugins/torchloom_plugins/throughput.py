@@ -107,7 +107,7 @@ class ThroughputConfig:
                 raise torchloom.ConfigError(f"throughput: setting {name!r} = {value!r}; expected a finite number > 0")
         if self.device is not None and _table_entry(self.device) is None:
             names = [re.sub(r"\\b|\.\*", " ", key).strip() for key in PEAK_FLOPS]
-            close = torchloom.closest_name(self.device, names)
+            close = torchloom.utils.closest_name(self.device, names)
             hint = f"; did you mean {close!r}?" if close else "."
             raise torchloom.ConfigError(
                 f"throughput: setting 'device' = {self.device!r} is not in the peak table{hint} Known: "

@@ -99,7 +99,7 @@ class TrackersConfig:
             raise torchloom.ConfigError(f"setting 'log_with' = []; expected one or more of: {valid}")
         for name in self.log_with:
             if name not in TRACKERS:
-                close = torchloom.closest_name(str(name), TRACKERS)
+                close = torchloom.utils.closest_name(str(name), TRACKERS)
                 hint = (
                     " (list the trackers by name)" if name == "all" else f" (did you mean {close!r}?)" if close else ""
                 )

@@ -1,6 +1,8 @@
 """torchloom: a Lightning-style training engine over Hugging Face Accelerate; every technique is a plugin.
 
-The public API is exactly what this module exports; plugins (built-in or third-party) import nothing else.
+The public API is what this module exports (the framework's model: `TaskModule`, `Engine`, the hooks, `Plugin`, the
+settings, the errors, the checkpoint and memory entry points) and `torchloom.utils` (the helpers a plugin may use);
+plugins (built-in or third-party) import nothing else.
 
 Names are imported when first used (PEP 562 module ``__getattr__``, as SciPy and scikit-image load lazily,
 scientific-python SPEC 1): ``import torchloom`` alone imports neither torch nor Accelerate, so that
@@ -22,17 +24,14 @@ _EXPORTS = {
     "DataModule": "torchloom.data",
     "Engine": "torchloom.engine",
     "EngineConfig": "torchloom.config",
-    "INTERNAL_PREFIX": "torchloom._names",
     "Plugin": "torchloom.plugins",
     "PluginError": "torchloom.errors",
-    "MODEL_DIR": "torchloom._layout",
     "Monitor": "torchloom.monitor",
-    "PendingCheckpoint": "torchloom._async_save",
+    "PendingCheckpoint": "torchloom.checkpoint.async_save",
     "PluginInfo": "torchloom.plugins",
     "Progress": "torchloom.progress",
-    "Resumed": "torchloom._lineage",
+    "Resumed": "torchloom.checkpoint.lineage",
     "RunFileError": "torchloom.errors",
-    "SUMMARY_FILE": "torchloom._layout",
     "StepHooks": "torchloom.step",
     "TaskError": "torchloom.errors",
     "TaskModule": "torchloom.module",
@@ -40,41 +39,28 @@ _EXPORTS = {
     "TrainingInterrupted": "torchloom.errors",
     "WindowOutOfMemory": "torchloom.step",
     "build_config": "torchloom.plugins",
-    "closest_name": "torchloom._suggest",
-    "convert_hf_args": "torchloom._hf_args",
-    "count_parameters": "torchloom._sizes",
-    "delete_checkpoint": "torchloom.checkpoint",
+    "convert_hf_args": "torchloom.tools.hf_args.convert",
+    "delete_checkpoint": "torchloom.checkpoint.store",
     "enable_plugins": "torchloom.plugins",
-    "estimate_flops": "torchloom._flops",
-    "estimate_memory": "torchloom._memory_plan",
-    "estimate_optimizer_memory": "torchloom.memory",
-    "format_bytes": "torchloom._bytes",
+    "estimate_flops": "torchloom.tools.flops",
+    "estimate_memory": "torchloom.tools.memory_plan",
+    "estimate_optimizer_memory": "torchloom.tools.optimizer_memory",
     "hookimpl": "torchloom.hookspecs",
     "hookspec": "torchloom.hookspecs",
-    "inspect_path": "torchloom._inspect",
+    "inspect_path": "torchloom.rundir.inspect",
     "installed_plugins": "torchloom.plugins",
-    "is_out_of_memory": "torchloom.step",
-    "is_terminal": "torchloom._output",
-    "json_dumps": "torchloom._strict_json",
-    "optimizer_state_bytes": "torchloom._sizes",
-    "load_plugin_state": "torchloom.state",
-    "prune_checkpoints": "torchloom._retention",
-    "prune_lineage": "torchloom._retention",
-    "quiet_libraries": "torchloom._output",
+    "load_plugin_state": "torchloom.checkpoint.plugin_state",
+    "prune_checkpoints": "torchloom.checkpoint.retention",
+    "prune_lineage": "torchloom.checkpoint.retention",
     "RankAgreement": "torchloom._agreement",
     "rank_agreement": "torchloom._context",
     "request_stop": "torchloom._context",
     "save_checkpoint": "torchloom._context",
     "save_checkpoint_async": "torchloom._context",
-    "save_plugin_state": "torchloom.state",
-    "warn": "torchloom._warn",
-    "write_atomically": "torchloom._atomic",
+    "save_plugin_state": "torchloom.checkpoint.plugin_state",
 }
 
 __all__ = [
-    "INTERNAL_PREFIX",
-    "MODEL_DIR",
-    "SUMMARY_FILE",
     "CheckpointError",
     "ConfigError",
     "DataModule",
@@ -97,38 +83,60 @@ __all__ = [
     "WindowOutOfMemory",
     "__version__",
     "build_config",
-    "closest_name",
     "convert_hf_args",
-    "count_parameters",
     "delete_checkpoint",
     "enable_plugins",
     "estimate_flops",
     "estimate_memory",
     "estimate_optimizer_memory",
-    "format_bytes",
     "hookimpl",
     "hookspec",
     "inspect_path",
     "installed_plugins",
-    "is_out_of_memory",
-    "is_terminal",
-    "json_dumps",
     "load_plugin_state",
-    "optimizer_state_bytes",
     "prune_checkpoints",
     "prune_lineage",
-    "quiet_libraries",
     "rank_agreement",
     "request_stop",
     "save_checkpoint",
     "save_checkpoint_async",
     "save_plugin_state",
-    "warn",
-    "write_atomically",
 ]
 
 
+#: Helpers that moved to the second shelf, `torchloom.utils`; they import from here until release 0.3, with a
+#: ``DeprecationWarning``.
+_MOVED_TO_UTILS = frozenset(
+    {
+        "INTERNAL_PREFIX",
+        "MODEL_DIR",
+        "SUMMARY_FILE",
+        "closest_name",
+        "count_parameters",
+        "format_bytes",
+        "is_out_of_memory",
+        "is_terminal",
+        "json_dumps",
+        "optimizer_state_bytes",
+        "quiet_libraries",
+        "warn",
+        "write_atomically",
+    }
+)
+
+
 def __getattr__(name: str) -> Any:
+    if name == "utils":  # the second shelf, imported when first used
+        return importlib.import_module("torchloom.utils")
+    if name in _MOVED_TO_UTILS:
+        import warnings
+
+        warnings.warn(
+            f"torchloom.{name} moved to torchloom.utils.{name}; the old name stops working in torchloom 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("torchloom.utils"), name)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'torchloom' has no attribute {name!r}")
@@ -142,24 +150,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from torchloom import utils as utils
     from torchloom._agreement import RankAgreement
-    from torchloom._async_save import PendingCheckpoint
-    from torchloom._atomic import write_atomically
-    from torchloom._bytes import format_bytes
     from torchloom._context import rank_agreement, request_stop, save_checkpoint, save_checkpoint_async
-    from torchloom._flops import estimate_flops
-    from torchloom._hf_args import convert_hf_args
-    from torchloom._inspect import inspect_path
-    from torchloom._layout import MODEL_DIR, SUMMARY_FILE
-    from torchloom._lineage import Resumed
-    from torchloom._memory_plan import estimate_memory
-    from torchloom._names import INTERNAL_PREFIX
-    from torchloom._output import is_terminal, quiet_libraries
-    from torchloom._retention import prune_checkpoints, prune_lineage
-    from torchloom._strict_json import json_dumps
-    from torchloom._suggest import closest_name
-    from torchloom._warn import warn
-    from torchloom.checkpoint import delete_checkpoint
+    from torchloom.checkpoint.async_save import PendingCheckpoint
+    from torchloom.checkpoint.lineage import Resumed
+    from torchloom.checkpoint.plugin_state import load_plugin_state, save_plugin_state
+    from torchloom.checkpoint.retention import prune_checkpoints, prune_lineage
+    from torchloom.checkpoint.store import delete_checkpoint
     from torchloom.config import EngineConfig
     from torchloom.data import DataModule
     from torchloom.engine import Engine
@@ -173,10 +171,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         TrainingInterrupted,
     )
     from torchloom.hookspecs import hookimpl, hookspec
-    from torchloom.memory import estimate_optimizer_memory
     from torchloom.module import TaskModule
     from torchloom.monitor import Monitor
     from torchloom.plugins import Plugin, PluginInfo, build_config, enable_plugins, installed_plugins
     from torchloom.progress import Progress
-    from torchloom.state import load_plugin_state, save_plugin_state
-    from torchloom.step import StepHooks, WindowOutOfMemory, is_out_of_memory
+    from torchloom.rundir.inspect import inspect_path
+    from torchloom.step import StepHooks, WindowOutOfMemory
+    from torchloom.tools.flops import estimate_flops
+    from torchloom.tools.hf_args.convert import convert_hf_args
+    from torchloom.tools.memory_plan import estimate_memory
+    from torchloom.tools.optimizer_memory import estimate_optimizer_memory

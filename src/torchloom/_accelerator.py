@@ -20,7 +20,6 @@ from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DataLoaderConfiguration, str_to_bool
 
-from torchloom._internals import reset_accelerate_state
 from torchloom.config import EngineConfig
 from torchloom.errors import ConfigError, PluginError
 from torchloom.plugins import HookRelay
@@ -162,3 +161,15 @@ def _cpu_only_multiprocess_launch() -> bool:
     except ValueError:  # not a boolean word: Accelerate would reject it itself
         opted_out = False
     return world_size > 1 and not torch.cuda.is_available() and not opted_out
+
+
+# ---------------------------------------------------------- library internals (tests/upstream_internals.py)
+
+
+def reset_accelerate_state() -> None:
+    """Clear Accelerate's per-process singletons of the previous Accelerator (its settings, its accumulation and
+    registered loaders); the process group (``PartialState``) is kept."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()

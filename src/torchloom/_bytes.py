@@ -30,7 +30,7 @@ def format_bytes(size: int) -> str:
     Returns:
         `str`: e.g. ``"1.5 GiB"``, ``"12.3 MiB"``, ``"1.25 KiB"``, ``"512 B"``.
 
-    Example: ``torchloom.format_bytes(181_712_308) == "173 MiB"``.
+    Example: ``torchloom.utils.format_bytes(181_712_308) == "173 MiB"``.
     """
     for unit, scale in UNITS:
         if size >= scale:

@@ -7,7 +7,7 @@ The engine makes one `RunContext` per call and makes it current for the call's d
 - ``log`` buffers into the run's `torchloom._logging.RunLog`;
 - `request_stop` records this process's request; the loop agrees on it over the processes at its next check;
 - `save_checkpoint` calls the running fit's loop (`torchloom._loop.FitLoop.save_checkpoint`), which writes the
-  fit state next to the plugins' states with `torchloom.checkpoint.write_checkpoint`;
+  fit state next to the plugins' states with `torchloom.checkpoint.store.write_checkpoint`;
 - `rank_agreement` is the run's `torchloom.RankAgreement`.
 """
 
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     import torch
 
     from torchloom._agreement import RankAgreement
-    from torchloom._async_save import PendingCheckpoint
     from torchloom._logging import RunLog
+    from torchloom.checkpoint.async_save import PendingCheckpoint
 
 __all__ = [
     "RunContext",

@@ -1,10 +1,10 @@
 """`FitState`: every counter and position of a fit that a resume needs, in one object that the loop alone writes.
 
-A checkpoint is this state next to the plugins' states (`torchloom.checkpoint`): `FitState.state_dict` gives the
+A checkpoint is this state next to the plugins' states (`torchloom.checkpoint.store`): `FitState.state_dict` gives the
 main process's part (saved once), `FitState.process_state_dict` each process's own part (saved by every process),
-both in the no-pickle format of `torchloom.state` (ints, floats, strings, ``None``, tensors). A new resumable counter
-is one field here: it is saved, loaded and reset with the others. Hooks never see this object: they get the frozen
-`torchloom.Progress` that `progress` builds.
+both in the no-pickle format of `torchloom.checkpoint.plugin_state` (ints, floats, strings, ``None``, tensors). A new
+resumable counter is one field here: it is saved, loaded and reset with the others. Hooks never see this object: they
+get the frozen `torchloom.Progress` that `progress` builds.
 """
 
 from __future__ import annotations

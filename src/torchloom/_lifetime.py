@@ -17,9 +17,9 @@ import torch
 
 from torchloom._accelerator import build_accelerator, note_run_failed
 from torchloom._default_step import DefaultTrainStep
-from torchloom._runfiles import MetricsFile, create_run_dir, discard_run_dir, release_run_dir
 from torchloom._setup import Run, engine_relay, prepare_run, reuse_run
 from torchloom._threads import apply_num_threads
+from torchloom.rundir.runfiles import MetricsFile, create_run_dir, discard_run_dir, release_run_dir
 
 __all__ = ["RunStarter"]
 

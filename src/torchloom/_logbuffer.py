@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from torchloom._internals import metric_is_synced
-from torchloom._metric_sync import even_list_states, gather_states, has_list_state, uneven
+from torchloom._metric_sync import even_list_states, gather_states, has_list_state, metric_is_synced, uneven
 from torchloom._names import INTERNAL_PREFIX
 from torchloom._warn import warn
 from torchloom.errors import TaskError

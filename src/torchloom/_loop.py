@@ -17,12 +17,9 @@ from accelerate.data_loader import get_sampler
 from accelerate.utils import find_batch_size
 
 from torchloom._accelerator import note_run_failed
-from torchloom._async_save import PendingCheckpoint, start_async_save
 from torchloom._batch_limits import limited
 from torchloom._context import RunContext, activate
-from torchloom._data_position import data_order, position, resume_point
 from torchloom._evaluation import validation_pass
-from torchloom._fetch_states import Watch, resume_source
 from torchloom._fit_state import FitState
 from torchloom._guards import (
     NEGATIVE_ITEMS,
@@ -32,16 +29,19 @@ from torchloom._guards import (
     check_training,
     stop_iteration,
 )
-from torchloom._layout import CHECKPOINTS_DIR
-from torchloom._lineage import Resumed, read_resumed, training_record, write_resumed
 from torchloom._logbuffer import WEIGHT_PREFIX
-from torchloom._random_states import set_random_states
-from torchloom._runfiles import finish_fit
 from torchloom._schedule import after_epoch, after_validation
 from torchloom._setup import log_data_values, sanity_check
 from torchloom._warn import warn
-from torchloom.checkpoint import SaveRequest, load_checkpoint, write_checkpoint
+from torchloom.checkpoint.async_save import PendingCheckpoint, start_async_save
+from torchloom.checkpoint.data_position import data_order, position, resume_point
+from torchloom.checkpoint.fetch_states import Watch, resume_source
+from torchloom.checkpoint.lineage import Resumed, read_resumed, training_record, write_resumed
+from torchloom.checkpoint.random_states import set_random_states
+from torchloom.checkpoint.store import SaveRequest, load_checkpoint, write_checkpoint
 from torchloom.errors import ConfigError, RunFileError
+from torchloom.rundir.layout import CHECKPOINTS_DIR
+from torchloom.rundir.runfiles import finish_fit
 from torchloom.step import StepHooks
 
 __all__ = ["FitLoop", "Start", "data_generators"]
@@ -55,7 +55,9 @@ class Start(NamedTuple):
     skip: int = 0
     random_states: dict[str, Any] | None = None
     generators: dict[str, torch.Tensor] | None = None
-    fetch_states: dict[str, Any] | None = None  # before the look-ahead fetch (`torchloom._fetch_states.Watch`)
+    fetch_states: dict[str, Any] | None = (
+        None  # before the look-ahead fetch (`torchloom.checkpoint.fetch_states.Watch`)
+    )
 
 
 class FitLoop:
@@ -158,7 +160,8 @@ class FitLoop:
         """Train one epoch (validating at the configured interval); return whether to stop. ``skip``: batches of
         the epoch a resumed checkpoint already trained on; ``rng``: the random states to restore once the epoch's
         loader has started; ``generators``: the data generators' states as that epoch started; ``fetch``: the
-        states before the look-ahead fetch after the checkpoint (`torchloom._fetch_states`; all for a resume)."""
+        states before the look-ahead fetch after the checkpoint (`torchloom.checkpoint.fetch_states`; all for a
+        resume)."""
         run, state, relay = self.run, self.state, self.run.relay
         loader = run.train_dataloader
         check_same_length(run.agreement, loader, "training")
@@ -176,7 +179,8 @@ class FitLoop:
         relay.call("on_train_epoch_start", accelerator=run.accelerator, progress=state.progress())
         done, batches, limit = False, 0, run.train_batches
         # A resume skips by index; the data's draws from the global generators are restored in its sampler, or
-        # it starts the loader again and fetches one batch more (`again`), untrained (`torchloom._fetch_states`).
+        # it starts the loader again and fetches one batch more (`again`), untrained
+        # (`torchloom.checkpoint.fetch_states`).
         self._watch = watch = Watch(full=bool(fetch and not fetch["first"] and "python" in fetch["states"]))
         source, again, restoring = (
             resume_source(run.accelerator, loader, skip, fetch, rng) if skip else (loader, 0, None)
@@ -481,10 +485,10 @@ class FitLoop:
 
         Also reads what the fit continues (`resumed`: the chain of runs, their records up to the checkpoint, the
         whole training's totals) and, on the main process, writes its records at the top of this run's
-        ``metrics.jsonl`` and the chain to ``resumed_from.json`` (`torchloom._lineage`).
+        ``metrics.jsonl`` and the chain to ``resumed_from.json`` (`torchloom.checkpoint.lineage`).
 
         Raises:
-            CheckpointError: the checkpoint cannot continue this run (see `torchloom.checkpoint.load_checkpoint`).
+            CheckpointError: the checkpoint cannot continue this run (see `torchloom.checkpoint.store.load_checkpoint`).
             RunFileError: on every process, when the main process cannot write those files.
         """
         run = self.run

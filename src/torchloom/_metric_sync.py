@@ -21,11 +21,10 @@ as the ``dist_sync_fn`` of every metric with a list state while it computes the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from torchloom._internals import metric_reductions, metric_state_defaults, metric_syncs_on_compute
 
 __all__ = ["even_list_states", "gather_states", "has_list_state", "uneven"]
 
@@ -146,3 +145,26 @@ def _describe(row: list[int]) -> str:
 
 def _dtype_name(code: int) -> str:
     return str(_DTYPES[code]).removeprefix("torch.") if code >= 0 else "another dtype"
+
+
+# ---------------------------------------------------------- library internals (tests/upstream_internals.py)
+
+
+def metric_state_defaults(metric: Any) -> Mapping[str, Any]:
+    """A torchmetrics ``Metric``'s states by name, with their default values (empty for another object)."""
+    return getattr(metric, "_defaults", {})
+
+
+def metric_reductions(metric: Any) -> Mapping[str, Any]:
+    """A torchmetrics ``Metric``'s ``dist_reduce_fx`` by state name (empty for another object)."""
+    return getattr(metric, "_reductions", {})
+
+
+def metric_syncs_on_compute(metric: Any) -> bool:
+    """Whether a torchmetrics ``Metric`` synchronises its states when it computes (its ``sync_on_compute``)."""
+    return bool(getattr(metric, "_to_sync", True))
+
+
+def metric_is_synced(metric: Any) -> bool:
+    """Whether a torchmetrics ``Metric`` holds the synchronised states (between its sync and unsync)."""
+    return bool(getattr(metric, "_is_synced", False))

@@ -40,7 +40,7 @@ def is_terminal(file: IO[str] | None = None) -> bool:
     ``progress`` plugin draws its bar where this is true (unless its ``terminal`` setting says otherwise), and
     `quiet_libraries` asks it about `sys.stderr`, where the libraries write.
 
-    Example: ``torchloom.is_terminal()`` is false under ``torchloom fit ... > log.txt``.
+    Example: ``torchloom.utils.is_terminal()`` is false under ``torchloom fit ... > log.txt``.
     """
     from rich.console import Console
 
@@ -83,7 +83,7 @@ def quiet_libraries(environ: MutableMapping[str, str] | None = None) -> Iterator
 
     .. code-block:: python
 
-        with torchloom.quiet_libraries():  # in a script whose output goes to a file
+        with torchloom.utils.quiet_libraries():  # in a script whose output goes to a file
             data = datasets.load_dataset("csv", data_files="reviews.csv")
     """
     env = environ if environ is not None else os.environ

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from accelerate.utils import find_batch_size
 
-from torchloom._internals import loader_at_end, loader_remainder
 from torchloom.data.packing import IGNORE_INDEX, count_loss_tokens
 
 __all__ = [
@@ -260,3 +259,16 @@ def watch_hand_logged(buffer: Any, accelerator: Any, rows: int, size: int, items
     finally:
         buffer.watch = None
         accelerator.__dict__.pop("gather_for_metrics", None)
+
+
+# ---------------------------------------------------------- library internals (tests/upstream_internals.py)
+
+
+def loader_at_end(loader: Any) -> bool:
+    """Whether an Accelerate data loader just yielded its last batch (``False`` for any other loader)."""
+    return bool(getattr(loader, "end_of_dataloader", False))
+
+
+def loader_remainder(loader: Any) -> Any:
+    """How many samples the last global batch of an Accelerate data loader holds (-1 when it does not know)."""
+    return getattr(loader, "remainder", -1)

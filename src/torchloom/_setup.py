@@ -24,11 +24,11 @@ from torchloom._guards import (
     stop_iteration,
     train_mode_unless_chosen,
 )
-from torchloom._runfiles import start_run_files
 from torchloom.config import EngineConfig
 from torchloom.errors import ConfigError, PluginError, TaskError
 from torchloom.module import TaskModule
 from torchloom.plugins import HookRelay
+from torchloom.rundir.runfiles import start_run_files
 
 __all__ = ["Run", "check_validation_step", "engine_relay", "prepare_run", "reuse_run", "sanity_check"]
 
@@ -120,7 +120,7 @@ def prepare_run(
         _seed_sampler(train_dl, config.seed)
         # The scheduler is stepped by the default step once per real optimizer step, so it is not prepared
         # (Accelerate would step it num_processes times per call). Checkpoints keep its state as JSON
-        # (torchloom.checkpoint), not as a custom object of Accelerate's, which would be unpickled on load.
+        # (torchloom.checkpoint.store), not as a custom object of Accelerate's, which would be unpickled on load.
     else:
         model = _prepare_for_evaluation(accelerator, model)
     val_dl = accelerator.prepare(val_dl) if val_dl is not None else None

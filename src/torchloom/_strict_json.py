@@ -7,9 +7,9 @@ or ``"-Infinity"`` instead (what ``float()`` reads back), in every file a user r
 ``torchloom inspect --json`` prints. `json_dumps` is the public writer (plugins write their files with it);
 `encode` is the same conversion on a tree, for a caller that serialises it itself.
 
-The plugin-state format (`torchloom.state`) must tell a float NaN from a state's string ``"NaN"`` when it loads,
-so it wraps the same name in a one-key tag, ``{"__float__": "NaN"}``: `tag` and `untag`, here, are the only code
-that writes or reads that tag's name.
+The plugin-state format (`torchloom.checkpoint.plugin_state`) must tell a float NaN from a state's string ``"NaN"`` when
+it loads, so it wraps the same name in a one-key tag, ``{"__float__": "NaN"}``: `tag` and `untag`, here, are the only
+code that writes or reads that tag's name.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def json_dumps(value: Any, **kwargs: Any) -> str:
     Keyword arguments go to `json.dumps` (``indent``, ``sort_keys``, ``default``, ...); ``allow_nan`` is always
     ``False``, so a non-finite number that ``default`` returns is a `ValueError`, not invalid JSON.
 
-    Example: ``torchloom.json_dumps({"loss": float("nan")})`` is ``'{"loss": "NaN"}'``; a plugin writes its own
-    file with ``torchloom.write_atomically(path, torchloom.json_dumps(data, indent=2) + "\\n")``.
+    Example: ``torchloom.utils.json_dumps({"loss": float("nan")})`` is ``'{"loss": "NaN"}'``; a plugin writes its own
+    file with ``torchloom.utils.write_atomically(path, torchloom.utils.json_dumps(data, indent=2) + "\\n")``.
     """
     kwargs["allow_nan"] = False
     return json.dumps(encode(value), **kwargs)

@@ -23,7 +23,6 @@ from torchloom._lifetime import RunStarter
 from torchloom._logging import RunLog
 from torchloom._loop import FitLoop, Start
 from torchloom._output import quiet_libraries
-from torchloom._runfiles import MetricsFile, config_dict, discard_run_dir, write_predictions
 from torchloom._setup import Run, engine_relay
 from torchloom.config import EngineConfig
 from torchloom.data.module import DataModule
@@ -32,6 +31,7 @@ from torchloom.hookspecs import HOOK_NAMES
 from torchloom.module import TaskModule
 from torchloom.plugins import PluginSpec, enable_plugins, plugin_name
 from torchloom.progress import Progress
+from torchloom.rundir.runfiles import MetricsFile, config_dict, discard_run_dir, write_predictions
 
 __all__ = ["AUTO", "Engine"]
 
@@ -42,7 +42,7 @@ AUTO = "auto"
 class Engine:
     """Runs a `TaskModule` with plugins over one `accelerate.Accelerator`.
 
-    ``fit``, ``validate`` and ``predict`` run inside `torchloom.quiet_libraries`: when stderr is not a terminal,
+    ``fit``, ``validate`` and ``predict`` run inside `torchloom.utils.quiet_libraries`: when stderr is not a terminal,
     the progress bars of ``datasets``, transformers and ``huggingface_hub`` and transformers' colour codes stay out
     of the output during the call, unless the user set those libraries' own variables or verbosity.
 
@@ -139,7 +139,7 @@ class Engine:
             val_dataloader (`torch.utils.data.DataLoader`, *optional*): else the datamodule's or task's.
             datamodule (`DataModule`, *optional*): prepared once per machine, then set up on every process.
             ckpt_path (`str` or `os.PathLike`, *optional*): resume from this checkpoint (see
-                `torchloom.checkpoint.find_checkpoint`: a checkpoint, a run directory or an ``output_dir``, whose
+                `torchloom.checkpoint.store.find_checkpoint`: a checkpoint, a run directory or an ``output_dir``, whose
                 latest checkpoint is taken). The model, optimizer, scheduler, loss scaler, random states, plugin
                 states, counters and data position are restored; the fit goes on from the next batch, in a new run
                 directory, exactly as if it had never stopped. That directory's ``metrics.jsonl`` starts with the
@@ -148,7 +148,7 @@ class Engine:
                 checkpoint of the engine's ``output_dir`` when it has one, else a fit from scratch (what a job that a
                 scheduler restarts passes every time, first start included; a directory named ``auto`` is
                 ``./auto``). Checkpoints that cannot be used are not "none": when the latest checkpoint there is
-                unusable (an unreadable ``manifest.json``, another format version; `torchloom._checkpoint_scan`),
+                unusable (an unreadable ``manifest.json``, another format version; `torchloom.checkpoint.scan`),
                 the fit is refused with a `CheckpointError` naming each such checkpoint and why, even when an older
                 one is usable (as Lightning's and the HF Trainer's resume from the latest checkpoint fails on a
                 damaged one); move them away, name a checkpoint, or fit without ``ckpt_path`` to start over.
@@ -165,8 +165,8 @@ class Engine:
             CheckpointError: ``ckpt_path`` names no complete checkpoint, or one that this run cannot continue; its
                 (or, with ``"auto"``, the ``output_dir``'s) latest checkpoint is unusable.
         """
-        from torchloom._checkpoint_scan import scan_checkpoints
-        from torchloom.checkpoint import find_checkpoint
+        from torchloom.checkpoint.scan import scan_checkpoints
+        from torchloom.checkpoint.store import find_checkpoint
 
         started = time.perf_counter()  # the fit's wall time, as the next resume carries it over
         if ckpt_path == AUTO:  # the output_dir's latest checkpoint, or none: the same call on every (re)start
@@ -310,14 +310,14 @@ class Engine:
                 anything loads); weights or an adapter that do not fit the task's model.
             RunFileError: the folder cannot be written (a full disk): nothing of it is left.
         """
-        from torchloom._checkpoint_export import export_checkpoint
+        from torchloom.rundir.export_checkpoint import export_checkpoint
 
         return export_checkpoint(self, task, checkpoint, directory)
 
     def _weights(self, ckpt_path: str | os.PathLike[str] | None, command: str) -> tuple[str, str] | None:
-        """What ``ckpt_path`` names (`torchloom._export.resolve_weights`; ``"best"`` by the ``checkpoint`` plugin's
-        ``monitor`` and ``mode``), kept in ``weights_from``."""
-        from torchloom._export import resolve_weights
+        """What ``ckpt_path`` names (`torchloom.rundir.export.resolve_weights`; ``"best"`` by the ``checkpoint``
+        plugin's ``monitor`` and ``mode``), kept in ``weights_from``."""
+        from torchloom.rundir.export import resolve_weights
 
         weights = None
         if ckpt_path is not None:
@@ -336,7 +336,7 @@ class Engine:
     @staticmethod
     def _load_weights(run: Run, weights: tuple[str, str] | None) -> None:
         """Load ``weights`` into the run's model; a failure leaves no run directory (nothing was run)."""
-        from torchloom._export import load_weights
+        from torchloom.rundir.export import load_weights
 
         if weights is None:
             return

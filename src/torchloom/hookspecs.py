@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     import torch
     from accelerate import Accelerator
 
-    from torchloom._lineage import Resumed
+    from torchloom.checkpoint.lineage import Resumed
     from torchloom.config import EngineConfig
     from torchloom.module import TaskModule
     from torchloom.progress import Progress

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchloom._adapter import has_adapter, save_adapter
 from torchloom._context import log_to_active_run, request_stop
-from torchloom._layout import MODEL_CARD
-from torchloom._safetensors import check_weight_files
 from torchloom.errors import ConfigError
+from torchloom.rundir.adapter_format import has_adapter, save_adapter
+from torchloom.rundir.layout import MODEL_CARD
+from torchloom.rundir.weight_files import check_weight_files
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -11,7 +11,7 @@ import torch
 from resume_fit import ShuffleTask
 
 import torchloom
-from torchloom.checkpoint import read_manifest
+from torchloom.checkpoint.store import read_manifest
 from torchloom_plugins.checkpoint import Checkpoint
 
 out = Path(sys.argv[1])

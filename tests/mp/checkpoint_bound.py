@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask, tiny_fit
 
 out = Path(sys.argv[1])

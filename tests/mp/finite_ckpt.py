@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints, read_manifest
+from torchloom.checkpoint.store import list_checkpoints, read_manifest
 from torchloom.testing import TinyTask
 
 

@@ -69,6 +69,6 @@ engine = torchloom.Engine(
 engine.fit(task)
 summary = None
 if task.accelerator.is_main_process:
-    summary = json.loads((Path(engine.run_dir) / torchloom.SUMMARY_FILE).read_text())
+    summary = json.loads((Path(engine.run_dir) / torchloom.utils.SUMMARY_FILE).read_text())
 result = {"history": engine.history, "losses": task.losses, "summary": summary}
 (out / f"result-{task.accelerator.process_index}.json").write_text(json.dumps(result))

@@ -452,7 +452,7 @@ def run_mp_scenarios(out: Path, names: Sequence[str]) -> dict[str, Any]:
 
 def pause_save(out: Path) -> None:
     """Save at step 2 (complete), then pause inside the save of step 4, right before its rename."""
-    from torchloom import _manifest
+    from torchloom.checkpoint import manifest as _manifest
 
     original = _manifest._fsync_tree
 

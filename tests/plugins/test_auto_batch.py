@@ -59,12 +59,12 @@ def test_split_batch_cuts_tensors_with_the_batch_rows_and_keeps_the_rest_whole()
 
 
 def test_is_out_of_memory_knows_the_allocators_errors():
-    assert torchloom.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert torchloom.is_out_of_memory(MemoryError())
+    assert torchloom.utils.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert torchloom.utils.is_out_of_memory(MemoryError())
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried")
-    assert torchloom.is_out_of_memory(cpu)
-    assert not torchloom.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not torchloom.is_out_of_memory(ValueError("CUDA out of memory."))
+    assert torchloom.utils.is_out_of_memory(cpu)
+    assert not torchloom.utils.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not torchloom.utils.is_out_of_memory(ValueError("CUDA out of memory."))
 
 
 def test_settings_are_checked():

@@ -21,7 +21,7 @@ import torch
 import yaml
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints, read_manifest
+from torchloom.checkpoint.store import list_checkpoints, read_manifest
 from torchloom.testing import TinyTask
 from torchloom_plugins.checkpoint import Checkpoint
 from torchrun_util import torchrun
@@ -133,7 +133,7 @@ def test_resume_from_a_run_directory_takes_the_epoch_end_checkpoint_of_a_shared_
         "step-00000016-epoch-end",
     ]
     checkpoints = Path(engine.run_dir) / "checkpoints"
-    assert torchloom.checkpoint.find_checkpoint(engine.run_dir) == str(checkpoints / "step-00000016-epoch-end")
+    assert torchloom.checkpoint.store.find_checkpoint(engine.run_dir) == str(checkpoints / "step-00000016-epoch-end")
     assert list_checkpoints(engine.run_dir) == [str(checkpoints / n) for n in _names(engine.run_dir)]
 
 
@@ -182,7 +182,7 @@ def test_resume_from_an_output_dir_takes_the_latest_run_by_number(tmp_path):
             )
             engine.fit(TinyTask())
             os.rename(Path(engine.run_dir) / "checkpoints", run / "checkpoints")
-    assert torchloom.checkpoint.find_checkpoint(tmp_path) == str(
+    assert torchloom.checkpoint.store.find_checkpoint(tmp_path) == str(
         tmp_path / "version_10" / "checkpoints" / "step-00000001"
     )
     assert [Path(p).parent.parent.name for p in list_checkpoints(tmp_path)] == ["version_2", "version_10"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchloom
-from torchloom.checkpoint import list_checkpoints
+from torchloom.checkpoint.store import list_checkpoints
 from torchloom.testing import TinyTask, tiny_fit
 from torchloom_plugins.ema import ExponentialMovingAverage, ema_decay
 from torchrun_util import MP_DIR, torchrun
@@ -77,7 +77,7 @@ def test_the_average_is_swapped_in_before_the_final_save(tmp_path):
     engine = torchloom.Engine(max_epochs=1, output_dir=str(tmp_path), plugins=[ema], save_model=True)
     engine.fit(task)
     assert all(torch.equal(p, a) for p, a in zip(task.model.parameters(), ema.averaged_parameters, strict=True))
-    saved = TinyTask.load_model(TinyTask().configure_model(), Path(engine.run_dir) / torchloom.MODEL_DIR)
+    saved = TinyTask.load_model(TinyTask().configure_model(), Path(engine.run_dir) / torchloom.utils.MODEL_DIR)
     assert all(torch.equal(p, a) for p, a in zip(saved.parameters(), ema.averaged_parameters, strict=True))
 
 

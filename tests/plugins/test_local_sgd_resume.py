@@ -2,7 +2,7 @@
 (issue 29, item 2).
 
 Between two averages the processes' parameters and optimizer states differ, so the checkpoint holds each process's
-own (``engine/process_<rank>/replica.*``, `torchloom._replicas`) and each process resumes from its own. The
+own (``engine/process_<rank>/replica.*``, `torchloom.checkpoint.replicas`) and each process resumes from its own. The
 scenarios (`resume_fit.MID_INTERVAL_SCENARIOS`: K = 2 and K = 3, AdamW and SGD with momentum, DiLoCo with Nesterov,
 and K = 3 on data augmented with the global random generators, stopped after the first batch of an epoch)
 run A uninterrupted, B stopped right after a checkpoint at a step that is not a multiple of K, and C resumed from
@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import torchloom
-from torchloom.checkpoint import read_manifest, verify_files
+from torchloom.checkpoint.store import read_manifest, verify_files
 from torchrun_util import MP_DIR, torchrun
 
 sys.path.insert(0, str(MP_DIR))

@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("peft")
 
 import torchloom
-from torchloom.checkpoint import read_manifest
+from torchloom.checkpoint.store import read_manifest
 from torchrun_util import MP_DIR, torchrun
 
 sys.path.insert(0, str(MP_DIR))

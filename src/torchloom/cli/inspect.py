@@ -124,8 +124,9 @@ def _amounts(row: Mapping[str, int]) -> str:
 
 
 def _byte_count(size: int) -> str:
-    """``1,234,567 bytes (1.18 MiB)``: the exact count, then `torchloom.format_bytes`; under 1 KiB ``20 bytes``."""
-    human = torchloom.format_bytes(size)
+    """``1,234,567 bytes (1.18 MiB)``: the exact count, then `torchloom.utils.format_bytes`; under 1 KiB ``20
+    bytes``."""
+    human = torchloom.utils.format_bytes(size)
     return f"{size:,} bytes" if human.endswith(" B") else f"{size:,} bytes ({human})"
 
 

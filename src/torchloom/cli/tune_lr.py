@@ -173,7 +173,7 @@ def _write(run_dir: str, lrs: list[float], sweep: LRSweep, suggestion: float | N
         f"{i},{lr!r},{loss!r},{s!r}" for i, (lr, loss, s) in enumerate(zip(lrs, sweep.losses, sweep.smoothed))
     ]
     csv = os.path.join(run_dir, "lr_find.csv")
-    torchloom.write_atomically(csv, "\n".join(rows) + "\n")
+    torchloom.utils.write_atomically(csv, "\n".join(rows) + "\n")
     summary = {
         "suggestion": suggestion,
         "rule": RULE,
@@ -184,7 +184,9 @@ def _write(run_dir: str, lrs: list[float], sweep: LRSweep, suggestion: float | N
         "beta": options.beta,
         "divergence": options.divergence,
     }
-    torchloom.write_atomically(os.path.join(run_dir, "lr_find.json"), torchloom.json_dumps(summary, indent=2) + "\n")
+    torchloom.utils.write_atomically(
+        os.path.join(run_dir, "lr_find.json"), torchloom.utils.json_dumps(summary, indent=2) + "\n"
+    )
     lines = [f"torchloom tune-lr: curve in {csv}"]
     try:
         import matplotlib
@@ -204,7 +206,7 @@ def _write(run_dir: str, lrs: list[float], sweep: LRSweep, suggestion: float | N
             axes.legend()
         figure.tight_layout()
         png = os.path.join(run_dir, "lr_find.png")
-        torchloom.write_atomically(png, lambda path: figure.savefig(path, format="png"))
+        torchloom.utils.write_atomically(png, lambda path: figure.savefig(path, format="png"))
         pyplot.close(figure)
         lines.append(f"torchloom tune-lr: plot in {png}")
     if suggestion is None:

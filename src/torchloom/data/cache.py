@@ -37,8 +37,8 @@ from typing import Any
 
 import datasets
 
-from torchloom._atomic import remove_orphans, temporary_path, write_failure
 from torchloom.errors import ConfigError, RunFileError
+from torchloom.rundir.atomic import remove_orphans, temporary_path, write_failure
 
 __all__ = ["DatasetCache", "cache_key", "default_cache_dir", "fingerprint"]
 
@@ -295,7 +295,7 @@ class DatasetCache:
         """Save ``dataset`` as the entry ``key``, atomically, and return the entry's directory.
 
         The dataset is written with ``save_to_disk`` into a temporary directory under ``root``
-        (``.<key>.tmp-<pid>-<hex>``, see `torchloom.write_atomically`) and renamed into place; what a save killed
+        (``.<key>.tmp-<pid>-<hex>``, see `torchloom.utils.write_atomically`) and renamed into place; what a save killed
         half-way left in ``root`` is removed first. If another process completed the same entry first, its entry
         is kept and this copy discarded (the same key means the same content).
 

@@ -11,9 +11,9 @@ sampler draws a shuffle, so the order is a function of (seed, epoch, lengths, ba
 every process. Under `torchloom.Engine` its ``initial_seed`` is the engine's ``seed`` (as for ``shuffle=True``);
 Accelerate shards it across processes as it shards any sampler (each process takes every ``num_processes``-th
 batch of ``batch_size``), so the global batch ``k`` is the order's samples ``k x total_batch_size`` onwards, and a
-checkpoint's position (`torchloom._data_position`) and its exact mid-epoch resume apply unchanged. A checkpoint
-records the sampler (``LengthGroupedSampler``) and `LengthGroupedSampler.order_settings` (the megabatch size and
-a hash of the lengths): resuming an epoch with any of them changed is refused.
+checkpoint's position (`torchloom.checkpoint.data_position`) and its exact mid-epoch resume apply unchanged. A
+checkpoint records the sampler (``LengthGroupedSampler``) and `LengthGroupedSampler.order_settings` (the megabatch size
+and a hash of the lengths): resuming an epoch with any of them changed is refused.
 """
 
 from __future__ import annotations

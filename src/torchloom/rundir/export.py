@@ -20,18 +20,18 @@ from typing import Any
 import torch
 
 from torchloom import _strict_json
-from torchloom._adapter import describe, has_adapter, is_adapter_dir, load_adapter
-from torchloom._layout import MODEL_CARD, MODEL_DIR, is_run_dir
-from torchloom._safetensors import (
+from torchloom.checkpoint.store import MANIFEST, read_manifest, verify_files
+from torchloom.errors import CheckpointError, ConfigError
+from torchloom.rundir.adapter_format import describe, has_adapter, is_adapter_dir, load_adapter
+from torchloom.rundir.layout import MODEL_CARD, MODEL_DIR, is_run_dir
+from torchloom.rundir.weight_files import (
     WEIGHTS_INDEX,
     check_weight_files,
     header_entries,
     safetensors_summary,
     weight_files,
 )
-from torchloom._sizes import count_parameters
-from torchloom.checkpoint import MANIFEST, read_manifest, verify_files
-from torchloom.errors import CheckpointError, ConfigError
+from torchloom.tools.sizes import count_parameters
 
 __all__ = [
     "MODEL_CARD",
@@ -53,10 +53,10 @@ LIBRARIES = ("torch", "accelerate", "transformers", "safetensors", "huggingface_
 
 
 def adapter_card(model: torch.nn.Module) -> dict[str, Any] | None:
-    """The card's ``adapter``: what `torchloom._adapter.describe` records (method, rank, alpha, adapted modules,
-    ``modules_to_save``, quantisation, the base it needs: class, ``name_or_path``, SHA-256 of its frozen weights),
-    with ``trainable_parameters``, ``total_parameters`` and ``bytes`` (the adapter's tensors as saved); ``None``
-    for a model without an adapter."""
+    """The card's ``adapter``: what `torchloom.rundir.adapter_format.describe` records (method, rank, alpha, adapted
+    modules, ``modules_to_save``, quantisation, the base it needs: class, ``name_or_path``, SHA-256 of its frozen
+    weights), with ``trainable_parameters``, ``total_parameters`` and ``bytes`` (the adapter's tensors as saved);
+    ``None`` for a model without an adapter."""
     described = describe(model)
     if described is None:
         return None
@@ -158,7 +158,7 @@ def resolve_weights(
             or truncated; ``"best"`` without a ``monitor``.
         CheckpointError: no weights there; an incomplete checkpoint or one whose files changed since it was saved;
             a checkpoint that a pick of the latest (``"last"``, a run directory, an ``output_dir``) would take, or
-            any for ``"best"``, is unusable (`torchloom._checkpoint_scan`: named with why, never skipped).
+            any for ``"best"``, is unusable (`torchloom.checkpoint.scan`: named with why, never skipped).
         Each message begins with ``<command>: ckpt_path`` and the path, and says what it may name
         (`PREDICT_WEIGHTS`).
     """
@@ -198,13 +198,13 @@ def resolve_weights(
 
 
 def _usable_checkpoints(root: Path, where: str, *, newest_only: bool = True) -> list[str]:
-    """The usable checkpoints under ``root`` (`torchloom._checkpoint_scan`), oldest first.
+    """The usable checkpoints under ``root`` (`torchloom.checkpoint.scan`), oldest first.
 
     Raises:
         CheckpointError: a checkpoint there is unusable and would have been picked (``newest_only``: newer than
             the newest usable one; else any): named with why, never skipped in silence.
     """
-    from torchloom._checkpoint_scan import scan_checkpoints
+    from torchloom.checkpoint.scan import scan_checkpoints
 
     scan = scan_checkpoints(root)
     hint = "; or name a checkpoint (ckpt_path PATH)"
@@ -235,7 +235,7 @@ def _named_checkpoint(
     name: str, command: str, output_dir: str | os.PathLike[str] | None, monitor: str | None, mode: str
 ) -> str:
     """The checkpoint ``"last"`` or ``"best"`` names among the runs of ``output_dir``."""
-    from torchloom._checkpoint_scan import scan_checkpoints
+    from torchloom.checkpoint.scan import scan_checkpoints
     from torchloom.monitor import Monitor
 
     where = f"{command}: ckpt_path {name!r}"
@@ -283,8 +283,8 @@ def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:
     prefix (DDP) or ``_orig_mod.`` prefix (``torch.compile``) on every key is removed first. Tied weights, stored
     once, are loaded through the name the file keeps; the checkpoint of a model with an adapter holds its trainable
     parameters only (the frozen base is the one the task built). An exported model is loaded with
-    `TaskModule.load_model`; an adapter folder with `torchloom._adapter.load_adapter` (injected first into a model
-    that has no adapter).
+    `TaskModule.load_model`; an adapter folder with `torchloom.rundir.adapter_format.load_adapter` (injected first into
+    a model that has no adapter).
 
     Raises:
         CheckpointError: the checkpoint holds no single-file weights (FSDP / DeepSpeed shards), or they do not fit

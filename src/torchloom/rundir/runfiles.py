@@ -20,7 +20,11 @@ import torch
 import yaml
 from accelerate.utils import broadcast_object_list
 
-from torchloom._atomic import (
+from torchloom._guards import check_finite_parameters
+from torchloom._strict_json import json_dumps
+from torchloom.errors import RunFileError
+from torchloom.hookspecs import hookimpl
+from torchloom.rundir.atomic import (
     atomic_directory,
     mark_in_use,
     remove_orphans,
@@ -28,12 +32,8 @@ from torchloom._atomic import (
     write_atomically,
     write_failure,
 )
-from torchloom._export import MODEL_CARD, model_card
-from torchloom._guards import check_finite_parameters
-from torchloom._layout import CHECKPOINTS_DIR, LATEST, MODEL_DIR, RUN_DIR, run_directories
-from torchloom._strict_json import json_dumps
-from torchloom.errors import RunFileError
-from torchloom.hookspecs import hookimpl
+from torchloom.rundir.export import MODEL_CARD, model_card
+from torchloom.rundir.layout import CHECKPOINTS_DIR, LATEST, MODEL_DIR, RUN_DIR, run_directories
 
 __all__ = [
     "MetricsFile",
@@ -52,7 +52,7 @@ def create_run_dir(output_dir: str, accelerator: Any, in_use: bool = False) -> s
     """Create ``<output_dir>/version_N`` (the next free N) on the main process; return its path on every process.
 
     Also removes the temporary files that a killed save left in ``output_dir`` (their process is gone). With
-    ``in_use`` (a fit) the directory is marked in use by the main process (`torchloom._atomic.mark_in_use`) until
+    ``in_use`` (a fit) the directory is marked in use by the main process (`torchloom.rundir.atomic.mark_in_use`) until
     `release_run_dir`: another fit in the same ``output_dir`` then deletes none of its checkpoints.
 
     Raises:
@@ -231,7 +231,7 @@ def _make_version_dir(root: str) -> str:
 
 
 def _remove_orphans(root: str) -> None:
-    """Remove what saves killed half-way left (`torchloom._atomic`: entries of processes that no longer run) in
+    """Remove what saves killed half-way left (`torchloom.rundir.atomic`: entries of processes that no longer run) in
     ``root``, in its run directories and in their checkpoint folders."""
     runs = run_directories(root)
     for folder in [Path(root), *runs, *(run / CHECKPOINTS_DIR for run in runs)]:

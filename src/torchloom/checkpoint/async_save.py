@@ -1,6 +1,6 @@
 """Asynchronous checkpoint saves: the state copied once to host memory at the save point, written by a thread.
 
-`start_async_save` is `torchloom.checkpoint.write_checkpoint` cut in two. On the main thread, at the save point
+`start_async_save` is `torchloom.checkpoint.store.write_checkpoint` cut in two. On the main thread, at the save point
 (every process, as for a synchronous save): the check that the checkpoint does not exist (the one broadcast),
 then one host copy of everything a synchronous save writes: the model's state (Accelerate's ``get_state_dict``,
 through the same save-state pre-hooks, so an adapter is saved alone), every optimizer's and scheduler's
@@ -33,10 +33,9 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
-from torchloom import _atomic as atomic
-from torchloom._adapter import TrainableOnly
-from torchloom._manifest import MANIFEST, _fsync_dir, hash_and_sync, publish
-from torchloom.checkpoint import (
+from torchloom.checkpoint.manifest import MANIFEST, _fsync_dir, hash_and_sync, publish
+from torchloom.checkpoint.plugin_state import encode_plugin_state, write_plugin_state
+from torchloom.checkpoint.store import (
     _ACCELERATE_RANDOM_STATES,
     SaveRequest,
     checked_plugin_states,
@@ -44,7 +43,8 @@ from torchloom.checkpoint import (
     without_zip_crc32,
 )
 from torchloom.errors import CheckpointError, RunFileError
-from torchloom.state import encode_plugin_state, write_plugin_state
+from torchloom.rundir import atomic
+from torchloom.rundir.adapter_format import TrainableOnly
 
 __all__ = ["UNSUPPORTED", "PendingCheckpoint", "check_supported", "copy_state", "start_async_save"]
 
@@ -201,9 +201,9 @@ def check_supported(accelerator: Any) -> None:
 
 def start_async_save(directory: str, request: SaveRequest) -> PendingCheckpoint | None:
     """Copy the state of a checkpoint of ``request`` into host memory and start writing it in a thread (every
-    process, at the same point, as `torchloom.checkpoint.write_checkpoint`, whose arguments these are); return at
+    process, at the same point, as `torchloom.checkpoint.store.write_checkpoint`, whose arguments these are); return at
     once. The state is first checked finite, before anything is copied
-    (`torchloom.checkpoint.checked_plugin_states`): ``None`` when it is not and ``request.nonfinite_loss`` is
+    (`torchloom.checkpoint.store.checked_plugin_states`): ``None`` when it is not and ``request.nonfinite_loss`` is
     ``"skip"`` / ``"ignore"`` (nothing written, a warning).
 
     Raises:
@@ -237,7 +237,7 @@ def snapshot(
     writer: _Writer, request: SaveRequest, plugins: list[tuple[str, Any, dict[str, torch.Tensor]]] | None = None
 ) -> dict[str, Any]:
     """The host copies of everything this process's part of the checkpoint holds (main thread); ``plugins``: the
-    plugins' states already encoded (`torchloom.checkpoint.checked_plugin_states`), else encoded here."""
+    plugins' states already encoded (`torchloom.checkpoint.store.checked_plugin_states`), else encoded here."""
     accelerator = request.accelerator
     # The processes that Accelerate's `save` writes on: the main one (each node's with save_on_each_node)
     shared = accelerator.is_local_main_process if writer.save_on_each_node else accelerator.is_main_process

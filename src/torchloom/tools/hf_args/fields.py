@@ -9,8 +9,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from torchloom._hf_args_result import HFArgsConversion, Remark
-from torchloom._hf_args_tables import (
+from torchloom.errors import ConfigError
+from torchloom.tools.hf_args.conversion import HFArgsConversion, Remark
+from torchloom.tools.hf_args.mapping import (
     COMPILE_MODES,
     IGNORED,
     OPTIMIZERS,
@@ -21,7 +22,6 @@ from torchloom._hf_args_tables import (
     TRACKERS,
     UNSUPPORTED_SCHEDULES,
 )
-from torchloom.errors import ConfigError
 
 __all__ = ["Converter"]
 

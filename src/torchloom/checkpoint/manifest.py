@@ -1,7 +1,7 @@
 """A checkpoint's manifest (``manifest.json``): written last, with every file's size and SHA-256, as the step that
 publishes the checkpoint with one ``os.rename`` (`publish`, `manifest_base`, `file_entries`); read and checked
 before anything of a checkpoint is loaded (`read_manifest`, `verify_files`). What a checkpoint holds and how it is
-written and loaded is `torchloom.checkpoint`'s.
+written and loaded is `torchloom.checkpoint.store`'s.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Any
 
 import torch
 
-from torchloom import _atomic as atomic
-from torchloom._adapter import describe
 from torchloom._strict_json import json_dumps
 from torchloom.errors import CheckpointError
+from torchloom.rundir import atomic
+from torchloom.rundir.adapter_format import describe
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "file_entries", "manifest_base", "publish", "read_manifest", "verify_files"]
 
 #: Version 2: the data position in samples of the global order with what defines that order, and the random
 #: states in the process's engine state (no pickle).
-FORMAT, VERSION = "torchloom.checkpoint", 2
+FORMAT, VERSION = "torchloom.checkpoint.store", 2
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 

@@ -1,8 +1,8 @@
 """`estimate_flops`: the floating-point operations of one training micro-batch, counted on fake tensors.
 
-The model is built or copied as `torchloom.estimate_memory` builds it (`torchloom._memory_source`: a model directory,
-a transformers config, a module, a callable; nothing allocated), one forward and backward of a micro-batch runs on
-fake tensors, and `torch.utils.flop_counter.FlopCounterMode` adds up the FLOPs of every matrix multiplication,
+The model is built or copied as `torchloom.estimate_memory` builds it (`torchloom.tools.memory_source`: a model
+directory, a transformers config, a module, a callable; nothing allocated), one forward and backward of a micro-batch
+runs on fake tensors, and `torch.utils.flop_counter.FlopCounterMode` adds up the FLOPs of every matrix multiplication,
 convolution and attention operation it dispatches (PyTorch's own formulas: ``2 * m * n * k`` for a matmul, with
 backward counted as the two matmuls it performs). For a transformer this is the figure of PaLM's appendix B,
 ``6 * N * T + 12 * L * d * T**2`` per sequence of ``T`` tokens (``N`` the weights of the linear layers, the output
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from torchloom._memory_source import ForwardFn, fake_copy, load_source
 from torchloom.errors import ConfigError
+from torchloom.tools.memory_source import ForwardFn, fake_copy, load_source
 
 __all__ = ["estimate_flops"]
 

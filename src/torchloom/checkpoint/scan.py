@@ -4,8 +4,8 @@ that "no checkpoint" and "checkpoints, none usable" are told apart wherever the 
 
 A checkpoint is any directory in ``<run_dir>/checkpoints/`` whose name does not start with ``.`` (the temporary
 directories of a save or a deletion in progress do). It is *usable* when its ``manifest.json`` reads and is of this
-torchloom's format and version (`torchloom._manifest.read_manifest`); otherwise *unusable*, with the reason: no
-manifest, a truncated or damaged one, another format or version. The files' hashes are not checked here (loading
+torchloom's format and version (`torchloom.checkpoint.manifest.read_manifest`); otherwise *unusable*, with the reason:
+no manifest, a truncated or damaged one, another format or version. The files' hashes are not checked here (loading
 the one picked checks them).
 
 A checkpoint is written atomically (its manifest last, then renamed into place), so an unusable one was damaged or
@@ -21,9 +21,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchloom._layout import CHECKPOINTS_DIR, run_directories
-from torchloom._manifest import MANIFEST, read_manifest
+from torchloom.checkpoint.manifest import MANIFEST, read_manifest
 from torchloom.errors import CheckpointError
+from torchloom.rundir.layout import CHECKPOINTS_DIR, run_directories
 
 __all__ = ["CheckpointScan", "Unusable", "scan_checkpoints"]
 
@@ -46,8 +46,8 @@ class CheckpointScan:
 
     Attributes:
         usable (`list[tuple[pathlib.Path, dict]]`): the usable checkpoints with their manifests, oldest first
-            (`torchloom.checkpoint.list_checkpoints`' order: by run, then by global step, an end-of-epoch checkpoint
-            after a step checkpoint of the same step).
+            (`torchloom.checkpoint.store.list_checkpoints`' order: by run, then by global step, an end-of-epoch
+            checkpoint after a step checkpoint of the same step).
         unusable (`list[Unusable]`): the unusable ones, in the same order (one whose step its name does not tell
             is taken as the newest of its run).
     """

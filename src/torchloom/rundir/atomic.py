@@ -15,7 +15,7 @@ One convention names everything in progress, next to its final path:
 A process killed at any moment leaves the old content or the new one under the final name, and at most one such
 temporary entry, which `remove_orphans` removes once its process no longer runs (the next run in the same
 ``output_dir`` does; so does the next save into a data cache). Whether a process runs is known on this machine
-only (`torchloom._liveness`): processes that share a directory from several machines are not told apart.
+only (`torchloom.rundir.liveness`): processes that share a directory from several machines are not told apart.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from torchloom._liveness import pid_alive
+from torchloom.rundir.liveness import pid_alive
 
 __all__ = [
     "TEMPORARY",

@@ -11,16 +11,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torchloom import _atomic as atomic
-from torchloom._layout import CHECKPOINTS_DIR, run_directories
-from torchloom._lineage import Resumed, lineage_checkpoints, lineage_scores, recorded_score
-from torchloom.checkpoint import MANIFEST, _run_checkpoints, delete_checkpoint
+from torchloom.checkpoint.lineage import Resumed, lineage_checkpoints, lineage_scores, recorded_score
+from torchloom.checkpoint.store import MANIFEST, _run_checkpoints, delete_checkpoint
 from torchloom.errors import CheckpointError
 from torchloom.monitor import Monitor
+from torchloom.rundir import atomic
+from torchloom.rundir.layout import CHECKPOINTS_DIR, run_directories
 
 __all__ = ["lineage_checkpoints", "lineage_scores", "prune_checkpoints", "prune_lineage", "recorded_score"]
 
-# lineage_checkpoints, lineage_scores and recorded_score live in torchloom._lineage (a resumed fit's runs)
+# lineage_checkpoints, lineage_scores and recorded_score live in torchloom.checkpoint.lineage (a resumed fit's runs)
 
 
 def prune_checkpoints(
@@ -40,7 +40,7 @@ def prune_checkpoints(
     it keeps); with ``monitor``, the ``keep_best`` best by the value of ``monitor`` each manifest recorded
     (``mode`` ``"min"`` or ``"max"``; NaN is never the best, an earlier checkpoint wins a tie); and every checkpoint
     of a run directory that another running process marked in use (a fit still running there: see
-    `torchloom._atomic.mark_in_use`). Nothing outside ``output_dir``'s own run directories is touched (a
+    `torchloom.rundir.atomic.mark_in_use`). Nothing outside ``output_dir``'s own run directories is touched (a
     ``version_N`` that is a link to elsewhere is left alone). Each deletion is `delete_checkpoint`'s: renamed out
     of sight, then removed; one that another process deleted first is skipped.
 

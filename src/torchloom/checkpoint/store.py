@@ -4,30 +4,30 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
 
 - ``accelerate/``: what `accelerate.Accelerator.save_state` writes: the model weights (``model.safetensors``, or
   the sharded files of FSDP / DeepSpeed; of a model with an adapter injected in place, such as the ``peft``
-  plugin's LoRA, only its trainable parameters: `torchloom._adapter.TrainableOnly`), the optimizer state
+  plugin's LoRA, only its trainable parameters: `torchloom.rundir.adapter_format.TrainableOnly`), the optimizer state
   (``optimizer.bin``) and the fp16 loss scaler (``scaler.pt``). Accelerate reads them back with
   ``torch.load(weights_only=True)``, and no custom object is ever registered with it, so none of these files can
   run code when loaded. The pickle of random states that ``save_state`` also writes (``random_states_<rank>.pkl``)
   is removed: the random states are the engine's.
 - ``engine/``: the engine's counters, the data position (the epoch, the samples of its global order consumed,
-  and what defines that order: see `torchloom._data_position`), and the learning-rate scheduler's state; in
+  and what defines that order: see `torchloom.checkpoint.data_position`), and the learning-rate scheduler's state; in
   ``engine/process_<rank>/`` what is each process's own: its random states (Python, numpy, torch, CUDA), the
   partial sums of the values logged since the last logging step, and the states of the generators its data
   loader draws from as an epoch starts, as the epoch to resume in started, and inside an epoch its random states
-  before the look-ahead fetch of the next batch (`torchloom._fetch_states`): JSON and safetensors
-  (`torchloom.state`), read without pickle. With several processes whose copies of the model differ (a plugin
-  with ``divergent_replicas``: LocalSGD, DiLoCo), also that process's own parameters, optimizer state and loss
-  scaler (``replica``, `torchloom._replicas`), which it loads over Accelerate's main-process files.
+  before the look-ahead fetch of the next batch (`torchloom.checkpoint.fetch_states`): JSON and safetensors
+  (`torchloom.checkpoint.plugin_state`), read without pickle. With several processes whose copies of the model differ (a
+  plugin with ``divergent_replicas``: LocalSGD, DiLoCo), also that process's own parameters, optimizer state and loss
+  scaler (``replica``, `torchloom.checkpoint.replicas`), which it loads over Accelerate's main-process files.
   Resumed on another number of processes, each process loads saved process ``rank mod W``'s part, with the
-  partial log sums merged over all of them (`torchloom._reshard`).
+  partial log sums merged over all of them (`torchloom.checkpoint.reshard`).
 - ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
   model's parameter names and shapes and its count of trainable parameters, its adapter
-  (`torchloom._adapter.describe`: method, rank, adapted modules, the base's class and SHA-256; ``None`` without
-  one), the optimizer's class, the stateful plugins, the logged values, the whole training up to it
+  (`torchloom.rundir.adapter_format.describe`: method, rank, adapted modules, the base's class and SHA-256; ``None``
+  without one), the optimizer's class, the stateful plugins, the logged values, the whole training up to it
   (``training``: the ``metrics.jsonl`` records written, the samples, the training and wall time, the runs its run
-  continued; see `torchloom._lineage`), and every file with its size and SHA-256.
+  continued; see `torchloom.checkpoint.lineage`), and every file with its size and SHA-256.
 
 Atomic: every process writes into ``.step-00000120.tmp-<pid>`` next to the final name; when all are done the
 main process writes the manifest and renames the directory into place in one ``os.rename``. A process killed
@@ -50,22 +50,29 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
-from torchloom import _atomic as atomic
-from torchloom import _checkpoint_scan as _scan
-from torchloom._adapter import TrainableOnly, describe, resume_problems
-from torchloom._atomic import temporary_path
-from torchloom._data_position import DataOrder, layout_problems
 from torchloom._guards import listing, nonfinite_parts, state_tensors
-from torchloom._layout import CHECKPOINTS_DIR, is_run_dir, run_directories
-from torchloom._manifest import FORMAT as FORMAT
-from torchloom._manifest import MANIFEST, manifest_base, publish, read_manifest
-from torchloom._manifest import VERSION as VERSION
-from torchloom._manifest import verify_files as verify_files
-from torchloom._random_states import random_states, set_random_states
-from torchloom._replicas import REPLICA, divergent, load_replica, replica_state
-from torchloom._reshard import merged_log_state, reshard_problems, source_rank
+from torchloom.checkpoint import scan as _scan
+from torchloom.checkpoint.data_position import DataOrder, layout_problems
+from torchloom.checkpoint.manifest import FORMAT as FORMAT
+from torchloom.checkpoint.manifest import MANIFEST, manifest_base, publish, read_manifest
+from torchloom.checkpoint.manifest import VERSION as VERSION
+from torchloom.checkpoint.manifest import verify_files as verify_files
+from torchloom.checkpoint.plugin_state import (
+    _encode,
+    _state_of,
+    _stateful,
+    load_plugin_state,
+    save_plugin_state,
+    write_plugin_state,
+)
+from torchloom.checkpoint.random_states import random_states, set_random_states
+from torchloom.checkpoint.replicas import REPLICA, divergent, load_replica, replica_state
+from torchloom.checkpoint.reshard import merged_log_state, reshard_problems, source_rank
 from torchloom.errors import CheckpointError, RunFileError, TaskError
-from torchloom.state import _encode, _state_of, _stateful, load_plugin_state, save_plugin_state, write_plugin_state
+from torchloom.rundir import atomic
+from torchloom.rundir.adapter_format import TrainableOnly, describe, resume_problems
+from torchloom.rundir.atomic import temporary_path
+from torchloom.rundir.layout import CHECKPOINTS_DIR, is_run_dir, run_directories
 
 __all__ = [
     "CHECKPOINTS_DIR",
@@ -88,7 +95,7 @@ _UNCHECKED: Any = object()  # check_compatible: an argument not to compare
 
 
 class _Named:
-    """A state in `torchloom.state`'s format under a name: the engine's own state, the scheduler's."""
+    """A state in `torchloom.checkpoint.plugin_state`'s format under a name: the engine's own state, the scheduler's."""
 
     def __init__(self, name: str, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]):
         self.name, self.state_dict, self.load_state_dict = name, state, load
@@ -97,14 +104,14 @@ class _Named:
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
     """What a checkpoint is written from, the same for a synchronous save (`write_checkpoint`) and an asynchronous
-    one (`torchloom._async_save.start_async_save`): the run's objects and the states at the save point.
+    one (`torchloom.checkpoint.async_save.start_async_save`): the run's objects and the states at the save point.
 
     ``engine_state`` is the main process's; ``process_state`` (each process's own: its partial log sums, its
     data generators) is written by every process, with its random states (`random_states`), to
     ``engine/process_<rank>/``, and `load_checkpoint` merges it into the engine state of the same process; so is
-    its replica (`torchloom._replicas`) when several processes run a plugin with ``divergent_replicas``.
-    ``training`` (the main process's, `torchloom._lineage.training_record`) is the manifest's ``training``: the
-    whole training up to the checkpoint, which a resumed fit carries over.
+    its replica (`torchloom.checkpoint.replicas`) when several processes run a plugin with ``divergent_replicas``.
+    ``training`` (the main process's, `torchloom.checkpoint.lineage.training_record`) is the manifest's ``training``:
+    the whole training up to the checkpoint, which a resumed fit carries over.
 
     ``nonfinite_loss`` (`EngineConfig.nonfinite_loss`) says what a save of non-finite state does
     (`checked_plugin_states`): ``"error"`` raises, ``"skip"`` / ``"ignore"`` write nothing and warn; ``skipped``
@@ -138,7 +145,8 @@ class SaveRequest:
         return _Named("process", lambda: state, _no_load)
 
     def manifest_base(self) -> dict[str, Any]:
-        """The manifest of the checkpoint, but its ``files`` and ``plugins`` (`torchloom._manifest.manifest_base`)."""
+        """The manifest of the checkpoint, but its ``files`` and ``plugins``
+        (`torchloom.checkpoint.manifest.manifest_base`)."""
         return manifest_base(
             self.accelerator, self.model, self.optimizer, self.engine_state, self.metrics, self.training
         )
@@ -204,11 +212,12 @@ def write_checkpoint(directory: str, request: SaveRequest) -> str | None:
 def checked_plugin_states(
     request: SaveRequest, plugins: list[Any], *, own: bool
 ) -> list[tuple[str, Any, dict[str, torch.Tensor]]] | None:
-    """Every stateful plugin's state, called once on every process (`torchloom.state.encode_plugin_state`: host
-    copies on the main process, ``own`` as there), after the check that the checkpoint about to be written is
-    finite: the model's floating parameters, every floating tensor of the optimizer's state and of each plugin's
-    state, on every process (`torchloom._guards.nonfinite_parts`: one fused flag per part, one all-reduce, one host
-    read; a save syncs anyway). Return ``None`` when the save must be skipped.
+    """Every stateful plugin's state, called once on every process
+    (`torchloom.checkpoint.plugin_state.encode_plugin_state`: host copies on the main process, ``own`` as there), after
+    the check that the checkpoint about to be written is finite: the model's floating parameters, every floating tensor
+    of the optimizer's state and of each plugin's state, on every process (`torchloom._guards.nonfinite_parts`: one
+    fused flag per part, one all-reduce, one host read; a save syncs anyway). Return ``None`` when the save must be
+    skipped.
 
     A non-finite part stops the fit under ``request.nonfinite_loss="error"`` (raised on every process alike);
     under ``"skip"`` / ``"ignore"`` nothing is written: the step is added to ``request.skipped``, and the first skip
@@ -335,7 +344,7 @@ def _run_checkpoints(run: Path) -> list[tuple[Path, dict[str, Any]]]:
 
 def find_checkpoint(path: str | os.PathLike[str]) -> str:
     """Resolve what ``fit``'s ``--resume`` / ``ckpt_path`` names to one checkpoint directory (its messages say
-    "cannot resume"; ``predict``'s ``ckpt_path`` is resolved by ``torchloom._export.resolve_weights``).
+    "cannot resume"; ``predict``'s ``ckpt_path`` is resolved by ``torchloom.rundir.export.resolve_weights``).
 
     Args:
         path (`str` or `os.PathLike`): a checkpoint directory; a run directory (its latest checkpoint); or an
@@ -343,7 +352,7 @@ def find_checkpoint(path: str | os.PathLike[str]) -> str:
 
     Raises:
         CheckpointError: ``path`` does not exist or holds no complete checkpoint; or the latest checkpoint there is
-            unusable (an unreadable manifest, another format version: `torchloom._checkpoint_scan`), whether or not
+            unusable (an unreadable manifest, another format version: `torchloom.checkpoint.scan`), whether or not
             an older one is usable: the message names each such checkpoint and why, and never resumes from an older
             one in silence.
     """
@@ -394,11 +403,11 @@ def check_compatible(
     """Compare a checkpoint with the run about to load it; return whether to load the optimizer's state.
 
     ``plugins`` (the run's plugins), ``scheduler`` (the run's, or ``None``) and ``data`` (the `DataOrder` of the
-    run's training data, see `torchloom._data_position.layout_problems`) are compared when given.
+    run's training data, see `torchloom.checkpoint.data_position.layout_problems`) are compared when given.
 
     Raises:
         CheckpointError: another number of processes where the state cannot be re-sharded
-            (`torchloom._reshard.reshard_problems`), other parameter names or shapes, another optimizer
+            (`torchloom.checkpoint.reshard.reshard_problems`), other parameter names or shapes, another optimizer
             class without ``reset_optimizer``, another set of stateful plugins, a learning-rate scheduler on
             one side only, or training data in which the checkpoint's epoch cannot be continued exactly: one
             message listing what differs.
@@ -573,7 +582,7 @@ def _check_complete(root: Path, manifest: Mapping[str, Any], accelerator: Any, p
 
 def remove_orphans(run_dir: str | os.PathLike[str]) -> None:
     """Remove the temporary directories that a killed save or deletion left in ``<run_dir>/checkpoints`` (their
-    process no longer runs; see `torchloom._atomic`)."""
+    process no longer runs; see `torchloom.rundir.atomic`)."""
     atomic.remove_orphans(Path(run_dir) / CHECKPOINTS_DIR)
 
 

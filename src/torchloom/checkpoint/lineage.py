@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchloom._atomic import write_atomically
-from torchloom._layout import CHECKPOINTS_DIR, RESUMED_FILE
-from torchloom._manifest import read_manifest
 from torchloom._strict_json import json_dumps, read_number
 from torchloom._warn import warn as warn_at_caller
-from torchloom.checkpoint import _run_checkpoints
+from torchloom.checkpoint.manifest import read_manifest
+from torchloom.checkpoint.store import _run_checkpoints
 from torchloom.errors import CheckpointError, RunFileError, TorchloomError
+from torchloom.rundir.atomic import write_atomically
+from torchloom.rundir.layout import CHECKPOINTS_DIR, RESUMED_FILE
 
 __all__ = [
     "CARRIED_OVER",

@@ -17,9 +17,12 @@ from typing import Any
 import yaml
 
 from torchloom import _strict_json
-from torchloom._adapter import is_adapter_dir, read_adapter_config
-from torchloom._checkpoint_scan import scan_checkpoints
-from torchloom._export import (
+from torchloom.checkpoint.lineage import read_chain, read_records
+from torchloom.checkpoint.scan import scan_checkpoints
+from torchloom.checkpoint.store import MANIFEST, read_manifest
+from torchloom.errors import ConfigError
+from torchloom.rundir.adapter_format import is_adapter_dir, read_adapter_config
+from torchloom.rundir.export import (
     CARD_FORMAT,
     CARD_VERSION,
     MODEL_CARD,
@@ -27,10 +30,7 @@ from torchloom._export import (
     safetensors_summary,
     weight_files,
 )
-from torchloom._layout import CHECKPOINTS_DIR, MODEL_DIR, SUMMARY_FILE, is_run_dir, run_directories
-from torchloom._lineage import read_chain, read_records
-from torchloom.checkpoint import MANIFEST, read_manifest
-from torchloom.errors import ConfigError
+from torchloom.rundir.layout import CHECKPOINTS_DIR, MODEL_DIR, SUMMARY_FILE, is_run_dir, run_directories
 
 __all__ = ["inspect_path"]
 
@@ -55,7 +55,7 @@ def inspect_path(path: str | os.PathLike[str]) -> dict[str, Any]:
       logged name; non-finite values as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``);
     - ``checkpoints``: a run's checkpoints, oldest first (``path``, ``global_step``, ``epoch``, and ``unusable``:
       ``None``, or why it cannot be loaded (an unreadable manifest, another format version), with ``global_step``
-      and ``epoch`` ``None``; `torchloom._checkpoint_scan`); the weights are of the latest usable one;
+      and ``epoch`` ``None``; `torchloom.checkpoint.scan`); the weights are of the latest usable one;
       ``model_dir``: a run's exported model; ``size_bytes``: a checkpoint's files, all together;
     - ``adapter``: a model with a LoRA (or other peft) adapter: ``method``, ``r``, ``lora_alpha``, ``targets`` (the
       adapted modules), ``modules_to_save``, ``quantization``, ``trainable_parameters``, ``total_parameters``,

@@ -1,6 +1,6 @@
 """The activations of one training micro-batch, measured on fake tensors (`trace_activations`): a dispatch mode adds
 the bytes of every storage an operation creates and subtracts them when it is freed; the figure is the peak. See
-`torchloom._memory_plan` for the method and its limits."""
+`torchloom.tools.memory_plan` for the method and its limits."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from torchloom._memory_source import CHECKPOINT_PLUGIN, Source, fake_copy
 from torchloom.errors import ConfigError, TorchloomError
 from torchloom.plugins import HookRelay, enable_plugins
+from torchloom.tools.memory_source import CHECKPOINT_PLUGIN, Source, fake_copy
 
 __all__ = ["trace_activations"]
 

@@ -37,7 +37,7 @@ def count_parameters(model: torch.nn.Module) -> dict[str, Any]:
         weights at half a byte each, their quantisation statistics, which are not parameters, excluded) and
         ``dtypes`` (`dict[str, int]`, weights per dtype name; a 4-bit weight under its storage dtype, ``uint8``).
 
-    Example: ``torchloom.count_parameters(torch.nn.Linear(3, 2))["total"] == 8``.
+    Example: ``torchloom.utils.count_parameters(torch.nn.Linear(3, 2))["total"] == 8``.
     """
     params = list(model.parameters())  # each shared Parameter once
     dtypes: dict[str, int] = {}

@@ -1,15 +1,17 @@
-"""Every private or undocumented part of a library that torchloom relies on, in one list (`INTERNALS`).
+"""Every private or undocumented part of a library that torchloom relies on, in one list (`INTERNALS`): test data,
+not part of the package.
 
 A library keeps its documented API across minor versions and changes the rest at will. What torchloom uses of
 the rest (an underscore name, an attribute a class sets in ``__init__`` without documenting it, a file name that
 Accelerate's ``save_state`` writes) is listed here, each entry with what torchloom uses it for and where, so that
 an upgrade that removes one fails in one place: ``tests/test_internals.py`` resolves every entry on the installed
-versions (a missing one fails with the entry's explanation), and scans ``src/`` and ``plugins/`` for private
-accesses of these libraries that the list does not name, so that the list cannot fall behind the code.
+versions (`resolve`; a missing one fails with the entry's explanation), and scans ``src/`` and ``plugins/`` for
+private accesses of these libraries that the list does not name, so that the list cannot fall behind the code.
 
-Where it is cheap the core reaches an internal through an accessor of `torchloom._internals`
-(`reset_accelerate_state`, the ``metric_*`` and ``loader_*`` functions), so that a change upstream is one edit
-there. The built-in plugins import only torchloom's public API, so their entries name their modules and the uses
+Each internal is reached in the module that uses it; where several places of that module need it, through one small
+accessor function there (``accessor``: `torchloom._accelerator.reset_accelerate_state`, the ``metric_*`` functions
+of `torchloom._metric_sync`, the ``loader_*`` functions of `torchloom._padding`), so that a change upstream is one
+edit. The built-in plugins import only torchloom's public API, so their entries name their modules and the uses
 stay there.
 
 Libraries: accelerate, torch, torchmetrics, transformers, pluggy, jsonargparse. Of datasets, safetensors and
@@ -19,6 +21,8 @@ huggingface_hub torchloom uses only documented names (safetensors' header is its
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -54,7 +58,7 @@ class Internal:
             ``"value"`` (the object at ``path`` equals ``value``).
         names (`tuple[str, ...]`): the identifiers that mark a use in the ``where`` modules; by default the private
             parts of ``path``, or its last part.
-        accessor (`str`, *optional*): the function of `torchloom._internals` that the ``where`` modules call instead.
+        accessor (`str`, *optional*): the function of the ``where`` module that wraps it for that module's uses.
     """
 
     path: str
@@ -111,7 +115,7 @@ def _multilabel_metric() -> Any:
 
 
 _ACC = "torchloom._accelerator"
-_MEMORY = "torchloom._memory_plan"
+_MEMORY = "torchloom.tools.memory_plan"
 
 INTERNALS: tuple[Internal, ...] = (
     # ------------------------------------------------------------------------------------------------ accelerate
@@ -164,19 +168,19 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.data_loader.get_sampler",
         "the sampler of a prepared loader, whose initial_seed the data position records",
-        ("torchloom._data_position",),
+        ("torchloom.checkpoint.data_position",),
     ),
     Internal(
         "accelerate.data_loader.SeedableRandomSampler.initial_seed",
         "the seed of the data order, recorded in a checkpoint's data position and checked on resume",
-        ("torchloom._data_position",),
+        ("torchloom.checkpoint.data_position",),
         kind="instance",
         make=_seedable_sampler,
     ),
     Internal(
         "accelerate.utils.constants.RNG_STATE_NAME",
         "save_state writes random_states_<rank>.pkl, which a checkpoint removes and a load refuses (a pickle)",
-        ("torchloom.checkpoint",),
+        ("torchloom.checkpoint.store",),
         kind="value",
         value="random_states",
         names=("random_states_",),
@@ -185,7 +189,7 @@ INTERNALS: tuple[Internal, ...] = (
         "accelerate.utils.constants.SAFE_WEIGHTS_NAME",
         "the model file save_state writes: a checkpoint's required accelerate/model.safetensors, the weights "
         "predict(ckpt_path=<checkpoint>) loads",
-        ("torchloom.checkpoint", "torchloom._export"),
+        ("torchloom.checkpoint.store", "torchloom.rundir.export"),
         kind="value",
         value="model.safetensors",
         names=("model.safetensors",),
@@ -193,7 +197,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.utils.constants.OPTIMIZER_NAME",
         "the optimizer file save_state writes (optimizer.bin), required in a checkpoint",
-        ("torchloom.checkpoint",),
+        ("torchloom.checkpoint.store",),
         kind="value",
         value="optimizer",
         names=("optimizer.bin",),
@@ -201,7 +205,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.utils.constants.SCALER_NAME",
         "the fp16 loss scaler's file save_state writes, required in a checkpoint of an fp16 run",
-        ("torchloom.checkpoint",),
+        ("torchloom.checkpoint.store",),
         kind="value",
         value="scaler.pt",
         names=("scaler.pt",),
@@ -214,7 +218,12 @@ INTERNALS: tuple[Internal, ...] = (
         "which the asynchronous save copies from the same places: _models, _optimizers, _schedulers, "
         "_custom_objects (what prepare and register_for_checkpointing registered) and _save_model_state_pre_hook "
         "(register_save_state_pre_hook's hooks)",
-        ("torchloom.checkpoint", "torchloom._lifetime", "torchloom_plugins.mixed_precision", "torchloom._async_save"),
+        (
+            "torchloom.checkpoint.store",
+            "torchloom._lifetime",
+            "torchloom_plugins.mixed_precision",
+            "torchloom.checkpoint.async_save",
+        ),
         kind="source",
         contains=(
             "self.scaler =",
@@ -270,20 +279,20 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "torch._subclasses.fake_tensor.FakeTensorMode",
         "estimate-memory and estimate_flops run a training step on fake tensors (shapes and storage sizes, no data)",
-        (_MEMORY, "torchloom._flops"),
+        (_MEMORY, "torchloom.tools.flops"),
     ),
     Internal(
         "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
         "estimate_flops gives FlopCounterMode a formula for the CPU's fused attention (torch 2.13 has none: it "
         "would count 0) and for its backward",
-        ("torchloom._flops",),
+        ("torchloom.tools.flops",),
         names=("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"),
     ),
     Internal(
         "torch.ops.aten._scaled_dot_product_flash_attention_backward",
         "estimate_flops counts the fused attention kernels' backward as model FLOPs (twice the forward), not with "
         "torch's formula, which adds the recomputation of the scores",
-        ("torchloom._flops",),
+        ("torchloom.tools.flops",),
         names=(
             "_scaled_dot_product_flash_attention_backward",
             "_scaled_dot_product_efficient_attention_backward",
@@ -308,17 +317,17 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "torch.utils._python_dispatch.TorchDispatchMode",
         "estimate-memory counts every storage an operation creates and frees during the fake step",
-        ("torchloom._memory_trace",),
+        ("torchloom.tools.memory_trace",),
     ),
     Internal(
         "torch.utils._pytree.tree_flatten",
         "the tensors among an operation's outputs, in estimate-memory's dispatch mode",
-        ("torchloom._memory_trace",),
+        ("torchloom.tools.memory_trace",),
     ),
     Internal(
         "torch.UntypedStorage._cdata",
         "the identity of a storage, so that estimate-memory counts a storage shared by several tensors once",
-        ("torchloom._memory_trace", "torchloom._memory_source"),
+        ("torchloom.tools.memory_trace", "torchloom.tools.memory_source"),
     ),
     Internal(
         "torch.distributed.nn.functional",
@@ -341,7 +350,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "torch._dynamo.eval_frame.OptimizedModule",
         "a compiled model's state_dict keys start with _orig_mod., which loading a checkpoint's weights strips",
-        ("torchloom._export", "torchloom._adapter"),
+        ("torchloom.rundir.export", "torchloom.rundir.adapter_format"),
         kind="source",
         contains=("_orig_mod",),
         names=("_orig_mod",),
@@ -411,7 +420,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "torchmetrics.Metric._is_synced",
         "after a compute that raised, whether the metric was left synchronised (then unsync() restores it)",
-        ("torchloom._logbuffer",),
+        ("torchloom._metric_sync",),
         kind="instance",
         make=_mean_metric,
         accessor="metric_is_synced",
@@ -491,7 +500,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "transformers.trainer_pt_utils.AcceleratorConfig",
         "the defaults of TrainingArguments.accelerator_config, for convert-hf-args",
-        ("torchloom._hf_args",),
+        ("torchloom.tools.hf_args.convert",),
     ),
     # ----------------------------------------------------------------------------------------------------- pluggy
     Internal(
@@ -518,3 +527,55 @@ INTERNALS: tuple[Internal, ...] = (
         names=("jsonargparse",),
     ),
 )
+
+
+# ------------------------------------------------------------------------------------------------- resolving
+
+
+def resolve(entry: Internal) -> Any:
+    """The object at ``entry.path`` on the installed versions.
+
+    Raises:
+        LookupError: it is not there (or not as the entry says); the message says what is missing.
+    """
+    parts = entry.path.split(".")
+    if entry.kind == "instance":
+        owner, name = ".".join(parts[:-1]), parts[-1]
+        _lookup(owner)
+        if entry.make is None:
+            raise LookupError(f"{entry.path}: an 'instance' entry needs make")
+        instance = entry.make()
+        if not hasattr(instance, name):
+            raise LookupError(f"a {type(instance).__name__} has no attribute {name!r}")
+        return getattr(instance, name)
+    found = _lookup(entry.path)
+    if entry.kind == "source":
+        try:
+            source = inspect.getsource(found)
+        except (OSError, TypeError) as exc:
+            raise LookupError(f"the source of {entry.path} cannot be read: {exc}") from None
+        missing = [text for text in entry.contains if text not in source]
+        if missing:
+            raise LookupError(f"the source of {entry.path} no longer contains {', '.join(map(repr, missing))}")
+    elif entry.kind == "value" and found != entry.value:
+        raise LookupError(f"{entry.path} is {found!r}, no longer {entry.value!r}")
+    return found
+
+
+def _lookup(path: str) -> Any:
+    parts = path.split(".")
+    module, index = None, len(parts)
+    while index > 0:
+        try:
+            module = importlib.import_module(".".join(parts[:index]))
+            break
+        except ImportError:
+            index -= 1
+    if module is None:
+        raise LookupError(f"module {parts[0]!r} cannot be imported")
+    found: Any = module
+    for i, part in enumerate(parts[index:], start=index):
+        if not hasattr(found, part):
+            raise LookupError(f"{'.'.join(parts[:i])} has no attribute {part!r}")
+        found = getattr(found, part)
+    return found

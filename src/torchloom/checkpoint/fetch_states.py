@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from accelerate.data_loader import SkipBatchSampler
 
-from torchloom._data_position import skip_batches
-from torchloom._random_states import random_states, set_random_states
+from torchloom.checkpoint.data_position import skip_batches
+from torchloom.checkpoint.random_states import random_states, set_random_states
 
 __all__ = ["Watch", "resume_source"]
 

@@ -1,5 +1,5 @@
 """A process's random states (Python, numpy, torch's CPU generator, every CUDA device) in the plugin-state format of
-`torchloom.state` (plain values and tensors), so that a checkpoint stores them without pickle."""
+`torchloom.checkpoint.plugin_state` (plain values and tensors), so that a checkpoint stores them without pickle."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ __all__ = ["random_states", "set_random_states"]
 
 def random_states() -> dict[str, Any]:
     """This process's random states: Python's, numpy's, torch's CPU generator and every CUDA device's, in the
-    plugin-state format of `torchloom.state` (plain values and tensors), so a checkpoint stores them without
-    pickle."""
+    plugin-state format of `torchloom.checkpoint.plugin_state` (plain values and tensors), so a checkpoint stores them
+    without pickle."""
     version, internal, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     states: dict[str, Any] = {
@@ -61,5 +61,5 @@ def set_random_states(states: Mapping[str, Any]) -> None:
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
         raise CheckpointError(
             f"the saved random states cannot be restored ({type(exc).__name__}: {exc}); expected what "
-            "torchloom.checkpoint.random_states() returns"
+            "torchloom.checkpoint.store.random_states() returns"
         ) from None

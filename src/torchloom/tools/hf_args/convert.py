@@ -11,9 +11,9 @@ equivalent is listed with the reason, and so is every one that is converted with
 The mapping follows what the HF Trainer does with each argument, read from transformers' ``trainer.py`` and
 ``trainer_optimizer.py``; docs/migrate-hf-trainer.md is the same table for people.
 
-This module reads the input; `torchloom._hf_args_tables` holds the tables (optimizer names, trackers, the reasons
-fields have no equivalent, older versions' defaults), `torchloom._hf_args_convert` the conversion field by field,
-and `torchloom._hf_args_result` what it returns (`HFArgsConversion`, its YAML and its check).
+This module reads the input; `torchloom.tools.hf_args.mapping` holds the tables (optimizer names, trackers, the reasons
+fields have no equivalent, older versions' defaults), `torchloom.tools.hf_args.fields` the conversion field by field,
+and `torchloom.tools.hf_args.conversion` what it returns (`HFArgsConversion`, its YAML and its check).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchloom._hf_args_convert import Converter
-from torchloom._hf_args_result import HFArgsConversion, Remark
-from torchloom._hf_args_tables import LEGACY_DEFAULTS
 from torchloom.errors import ConfigError
+from torchloom.tools.hf_args.conversion import HFArgsConversion, Remark
+from torchloom.tools.hf_args.fields import Converter
+from torchloom.tools.hf_args.mapping import LEGACY_DEFAULTS
 
 __all__ = ["HFArgsConversion", "Remark", "convert_hf_args"]
 

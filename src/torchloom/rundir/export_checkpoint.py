@@ -2,14 +2,14 @@
 write, the folder a fit with ``save_model: true`` would have written had it ended at the checkpoint.
 
 The model is built as a fit builds it (the seed, ``configure_model``, the plugins' ``configure_model``: an adapter
-injected by the ``peft`` plugin), the checkpoint's weights are loaded into it (`torchloom._export.load_weights`:
+injected by the ``peft`` plugin), the checkpoint's weights are loaded into it (`torchloom.rundir.export.load_weights`:
 safetensors only), and `TaskModule.save_model` writes the folder (a transformers model: ``save_pretrained``, an
 ordinary transformers folder; any other module: ``model.safetensors``; a model with an adapter: the adapter in
 peft's format), the plugins' ``on_save_model`` adds to it (the ``peft`` plugin's ``merge``: ``merged/``), and the
 model card ``torchloom_model.json`` records the run's config, the checkpoint's values, step and epoch, and the
 checkpoint it came from. The folder appears complete or not at all (built under a temporary name, renamed).
 
-Nothing is loaded from a checkpoint whose manifest does not verify (`torchloom.checkpoint.verify_files`).
+Nothing is loaded from a checkpoint whose manifest does not verify (`torchloom.checkpoint.store.verify_files`).
 """
 
 from __future__ import annotations
@@ -22,22 +22,22 @@ import yaml
 from accelerate.utils import set_seed
 
 from torchloom._accelerator import build_accelerator
-from torchloom._adapter import describe, resume_problems
-from torchloom._atomic import atomic_directory, remove_orphans, write_failure
 from torchloom._default_step import DefaultTrainStep
-from torchloom._export import MODEL_CARD, load_weights, model_card
 from torchloom._guards import check_model
-from torchloom._runfiles import MetricsFile
 from torchloom._setup import engine_relay
 from torchloom._strict_json import json_dumps
-from torchloom.checkpoint import MANIFEST, read_manifest, verify_files
+from torchloom.checkpoint.store import MANIFEST, read_manifest, verify_files
 from torchloom.errors import CheckpointError, ConfigError, RunFileError
+from torchloom.rundir.adapter_format import describe, resume_problems
+from torchloom.rundir.atomic import atomic_directory, remove_orphans, write_failure
+from torchloom.rundir.export import MODEL_CARD, load_weights, model_card
+from torchloom.rundir.runfiles import MetricsFile
 
 __all__ = ["export_checkpoint"]
 
 _EXPECTED = "expected a checkpoint directory (with manifest.json, as <run_dir>/checkpoints/step-00000040)"
 #: The empty file an export's temporary folder (``.<OUT>.tmp-<pid>``) holds while it is written: what tells a folder
-#: that a killed export left next to OUT from anything else there (`torchloom._atomic.remove_orphans`).
+#: that a killed export left next to OUT from anything else there (`torchloom.rundir.atomic.remove_orphans`).
 IN_PROGRESS = ".torchloom-export-in-progress"
 
 

@@ -21,7 +21,8 @@ from torchloom.errors import CheckpointError
 
 __all__ = ["REPLICA", "divergent", "load_replica", "replica_state"]
 
-#: The state's name in ``engine/process_<rank>/`` (`torchloom.state`'s two files: ``replica.json``, ``.safetensors``).
+#: The state's name in ``engine/process_<rank>/`` (`torchloom.checkpoint.plugin_state`'s two files: ``replica.json``,
+# ``.safetensors``).
 REPLICA = "replica"
 #: The plugin class attribute that asks for it.
 DIVERGENT_ATTR = "divergent_replicas"
@@ -33,8 +34,8 @@ def divergent(plugins: Iterable[Any]) -> bool:
 
 
 def replica_state(accelerator: Any, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """This process's copy, in `torchloom.state`'s format: ``parameters`` (the trainable ones by name: what an
-    adapter run's checkpoint holds too), ``optimizer`` (the optimizer's ``state``, by the parameter's index as a
+    """This process's copy, in `torchloom.checkpoint.plugin_state`'s format: ``parameters`` (the trainable ones by name:
+    what an adapter run's checkpoint holds too), ``optimizer`` (the optimizer's ``state``, by the parameter's index as a
     string; its ``param_groups`` are the same on every process and come from Accelerate's file) and ``scaler`` (the
     fp16 loss scaler's state, or ``None``)."""
     unwrapped = accelerator.unwrap_model(model)

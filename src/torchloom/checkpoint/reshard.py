@@ -2,9 +2,9 @@
 
 What a checkpoint holds once for the whole run (the model, the optimizer state, the scheduler, the plugins' states,
 the counters, the data position) is the same whatever the number of processes under DDP or on one process, and the
-data position is counted in samples of the epoch's global order (`torchloom._data_position`), which does not depend
-on how many processes share each global batch. So a checkpoint of ``W`` processes resumes on ``W'`` processes where
-these hold, and the rest of the epoch is exactly the rest of its global order, re-sharded over the new processes
+data position is counted in samples of the epoch's global order (`torchloom.checkpoint.data_position`), which does not
+depend on how many processes share each global batch. So a checkpoint of ``W`` processes resumes on ``W'`` processes
+where these hold, and the rest of the epoch is exactly the rest of its global order, re-sharded over the new processes
 (samples done must be a whole number of the new global batches, as for any change of batch size):
 
 - each process's own part (``engine/process_<rank>/``) is mapped, not invented (`source_rank`): process ``r`` of the
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 
-from torchloom._replicas import REPLICA
+from torchloom.checkpoint.replicas import REPLICA
 
 __all__ = ["merged_log_state", "reshard_problems", "source_rank"]
 

@@ -29,7 +29,7 @@ Each stateful plugin gets two files in ``directory``, named after the plugin:
 Loading reads these two files with ``safetensors.torch.load_file`` and ``json`` and nothing else: no pickle,
 no ``torch.load``, so a planted file (Accelerate's ``custom_checkpoint_0.pkl``, say) is never executed.
 Each file is written in a temporary directory next to it and moved into place (``os.replace``,
-`torchloom.write_atomically`), so a crash never leaves a half-written file under the final name.
+`torchloom.utils.write_atomically`), so a crash never leaves a half-written file under the final name.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from torchloom import _strict_json
-from torchloom._atomic import write_atomically
 from torchloom.errors import PluginError
 from torchloom.plugins import blame, plugin_name
+from torchloom.rundir.atomic import write_atomically
 
 __all__ = ["encode_plugin_state", "load_plugin_state", "save_plugin_state", "write_plugin_state"]
 
@@ -102,7 +102,7 @@ def encode_plugin_state(
     """The first half of `save_plugin_state`: every stateful plugin's ``state_dict()``, called and checked, as
     ``(name, JSON tree, tensors)``; the tensors are host copies on the main process (none elsewhere). ``own``:
     copies that share memory with nothing live, CPU tensors included (an asynchronous save writes them later,
-    while training goes on: `torchloom._async_save`)."""
+    while training goes on: `torchloom.checkpoint.async_save`)."""
     return [
         (name, *_encode(name, _state_of(name, plugin, "to save its state"), copy=is_main_process, own=own))
         for name, plugin in _stateful(plugins)
@@ -337,7 +337,7 @@ def _tensor_devices(state: Any) -> dict[str, torch.device]:
 
 
 def _write(root: Path, name: str, tree: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Write one plugin's two files atomically (`torchloom.write_atomically`), the tensors first: the JSON file
+    """Write one plugin's two files atomically (`torchloom.utils.write_atomically`), the tensors first: the JSON file
     is the one that names them."""
     write_atomically(root / f"{name}.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     document = {"format": FORMAT, "version": VERSION, "plugin": name, "state": tree}

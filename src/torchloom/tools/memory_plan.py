@@ -5,7 +5,7 @@ Method
 ------
 - **Weights:** the bytes of every parameter and buffer (tied parameters once), as
   `accelerate.utils.calculate_maximum_sizes` counts them, and the quantisation state of bitsandbytes weights
-  (`torchloom._memory_source.quantization_state_bytes`). Parameters are float32: with ``bf16`` / ``fp16`` the
+  (`torchloom.tools.memory_source.quantization_state_bytes`). Parameters are float32: with ``bf16`` / ``fp16`` the
   ``mixed_precision`` plugin (``Accelerator(mixed_precision=...)``) keeps float32 master weights and computes in
   the low-precision type under `torch.autocast`.
 - **With an adapter** (the ``peft`` plugin's settings): the plugin's ``configure_model`` runs on a ``meta`` copy
@@ -30,8 +30,8 @@ Method
   batch itself, the weights, gradients and optimizer state (their own columns). It is the counting of
   ``bench/activation_memory.py``'s ``peak_bytes``, with the gradients allocated before the step.
 
-The total is weights + gradients + optimizer state + activations. The model comes from `torchloom._memory_source`
-(a fake-tensor prototype and how to run one micro-batch of it), the activations from `torchloom._memory_trace`.
+The total is weights + gradients + optimizer state + activations. The model comes from `torchloom.tools.memory_source`
+(a fake-tensor prototype and how to run one micro-batch of it), the activations from `torchloom.tools.memory_trace`.
 
 Limits (what the figures leave out)
 -----------------------------------
@@ -67,10 +67,10 @@ from typing import Any
 import torch
 
 from torchloom._bytes import format_bytes, parse_bytes
-from torchloom._memory_source import CHECKPOINT_PLUGIN, ForwardFn, load_source, quantization_state_bytes
-from torchloom._memory_trace import trace_activations
 from torchloom.errors import ConfigError
-from torchloom.memory import _installed_estimators, estimate_optimizer_memory
+from torchloom.tools.memory_source import CHECKPOINT_PLUGIN, ForwardFn, load_source, quantization_state_bytes
+from torchloom.tools.memory_trace import trace_activations
+from torchloom.tools.optimizer_memory import _installed_estimators, estimate_optimizer_memory
 
 __all__ = ["MemoryEstimate", "MemoryRow", "Suggestion", "estimate_memory"]
 
@@ -428,7 +428,7 @@ def _element_count(p: torch.Tensor) -> int:
 
 def _describe_adapter(model: torch.nn.Module) -> str | None:
     """``"lora r=8"`` and the base's quantisation, for the table's first line; ``None`` without an adapter."""
-    from torchloom._adapter import adapter_config, has_adapter
+    from torchloom.rundir.adapter_format import adapter_config, has_adapter
 
     if not has_adapter(model):
         return None

@@ -1,5 +1,5 @@
 """Whether a process runs: what tells a temporary file of a killed save (its writer is gone) from one being written
-(`torchloom._atomic.remove_orphans`)."""
+(`torchloom.rundir.atomic.remove_orphans`)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,53 @@
+"""The checkpoint: the whole state of a fit at an optimizer-step boundary, written atomically, loaded without
+running code, and kept or pruned over the runs of a training.
+
+Its modules, by role:
+
+- `store`: a checkpoint directory written (`write_checkpoint`) and loaded (`load_checkpoint`); found, listed,
+  checked for compatibility, deleted. Its docstring describes the format.
+- `manifest`: ``manifest.json``, written last, with every file's size and SHA-256.
+- `plugin_state`: plugin state on disk without pickle (tensors in safetensors, the rest in JSON).
+- `async_save`: the state copied once to host memory, written by a thread (`PendingCheckpoint`).
+- `data_position`, `fetch_states`, `random_states`: where the data stands and the random states that make a
+  mid-epoch resume exact.
+- `replicas`, `reshard`: each process's own part of the state, and a resume on another number of processes.
+- `lineage`, `retention`, `scan`: a training in several runs, which checkpoints are kept, and which are usable.
+
+The public entry points are exported here and on ``torchloom`` (`save_plugin_state`, `load_plugin_state`,
+`delete_checkpoint`, `prune_checkpoints`, `prune_lineage`, `PendingCheckpoint`, `Resumed`). They are imported when
+first used (PEP 562), so that importing one module of this package never imports the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: Public name -> the module of this package that defines it.
+_EXPORTS = {
+    "PendingCheckpoint": "torchloom.checkpoint.async_save",
+    "Resumed": "torchloom.checkpoint.lineage",
+    "delete_checkpoint": "torchloom.checkpoint.store",
+    "find_checkpoint": "torchloom.checkpoint.store",
+    "list_checkpoints": "torchloom.checkpoint.store",
+    "load_checkpoint": "torchloom.checkpoint.store",
+    "load_plugin_state": "torchloom.checkpoint.plugin_state",
+    "prune_checkpoints": "torchloom.checkpoint.retention",
+    "prune_lineage": "torchloom.checkpoint.retention",
+    "save_plugin_state": "torchloom.checkpoint.plugin_state",
+    "scan_checkpoints": "torchloom.checkpoint.scan",
+    "write_checkpoint": "torchloom.checkpoint.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchloom.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
