@@ -7,6 +7,7 @@ named for a split by size (``_x_table``, ``_x_result``).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -72,3 +73,23 @@ def test_the_core_has_at_most_40_top_level_modules_and_its_role_folders():
 def test_the_inventory_of_upstream_internals_is_test_data_not_in_the_package():
     assert not list(CORE.rglob("*internals*"))
     assert (ROOT / "tests" / "upstream_internals.py").is_file()
+
+
+def _floor_plan() -> str:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = readme[readme.index("## Layout") :]
+    block = layout[layout.index("```") + 3 : layout.index("```", layout.index("```") + 3)]
+    return block[block.index("src/torchloom/") : block.index("plugins/torchloom_plugins/")]
+
+
+def test_the_readme_floor_plan_names_every_core_module_and_folder_and_nothing_else():
+    plan = _floor_plan()
+    named = set(re.findall(r"\b(\w+\.py)\b", plan))
+    folders = set(re.findall(r"^\s+(\w+)/", plan, re.MULTILINE))
+    top = {p.name for p in CORE.glob("*.py")}
+    packages = {p.name for p in CORE.iterdir() if (p / "__init__.py").is_file()}
+    assert top - named == set(), "README's Layout does not name these top-level modules"
+    assert packages - folders == set(), "README's Layout does not name these folders"
+    existing = {p.name for p in CORE.rglob("*.py")}
+    assert named - existing == set(), "README's Layout names modules that do not exist"
+    assert folders - packages == set(), "README's Layout names folders that do not exist"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from torchloom._lazy import lazy_exports
 from torchloom._version import __version__
 
 #: Public name -> the module that defines it.
@@ -104,31 +105,14 @@ __all__ = [
 ]
 
 
-#: Helpers that moved to the second shelf, `torchloom.utils`; they import from here until release 0.3, with a
-#: ``DeprecationWarning``.
-_MOVED_TO_UTILS = frozenset(
-    {
-        "INTERNAL_PREFIX",
-        "MODEL_DIR",
-        "SUMMARY_FILE",
-        "closest_name",
-        "count_parameters",
-        "format_bytes",
-        "is_out_of_memory",
-        "is_terminal",
-        "json_dumps",
-        "optimizer_state_bytes",
-        "quiet_libraries",
-        "warn",
-        "write_atomically",
-    }
-)
+_lazy_getattr, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     if name == "utils":  # the second shelf, imported when first used
         return importlib.import_module("torchloom.utils")
-    if name in _MOVED_TO_UTILS:
+    utils = importlib.import_module("torchloom.utils")
+    if name in utils.__all__:  # a helper's old place, until 0.3
         import warnings
 
         warnings.warn(
@@ -136,17 +120,8 @@ def __getattr__(name: str) -> Any:
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(importlib.import_module("torchloom.utils"), name)
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchloom' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+        return getattr(utils, name)
+    return _lazy_getattr(name)
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly

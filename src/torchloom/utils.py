@@ -12,8 +12,9 @@ Until release 0.3 each of these names also imports from ``torchloom`` (``torchlo
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchloom._lazy import lazy_exports
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
@@ -49,18 +50,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchloom.utils' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from torchloom._bytes import format_bytes

@@ -20,8 +20,7 @@ first used (PEP 562), so that importing one module of this package never imports
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchloom._lazy import lazy_exports
 
 #: Public name -> the module of this package that defines it.
 _EXPORTS = {
@@ -42,12 +41,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchloom.checkpoint' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
