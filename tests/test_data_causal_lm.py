@@ -20,6 +20,7 @@ import torch
 import transformers
 
 import torchloom
+from chat_util import save_chat_tokenizer
 from torchloom.data import ChatData, LanguageModelingData, PromptCompletionData, cache_key
 from torchloom.data.packing import CausalLMCollator, check_packed_attention, count_loss_tokens, pack_best_fit
 from torchrun_util import torchrun
@@ -41,12 +42,7 @@ WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "tree", "
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory) -> str:
     """A copy of the MiniLM tokenizer with <|im_start|> / <|im_end|> (also its EOS) and a ChatML template."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL_DIR)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.eos_token, tokenizer.chat_template = "<|im_end|>", CHATML
-    path = tmp_path_factory.mktemp("chat_tokenizer")
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_chat_tokenizer(MODEL_DIR, CHATML, tmp_path_factory.mktemp("chat_tokenizer"))
 
 
 def words(rng: random.Random, n: int) -> str:

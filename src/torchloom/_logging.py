@@ -16,6 +16,7 @@ import torch
 
 from torchloom._logbuffer import LogBuffer
 from torchloom._names import INTERNAL_PREFIX
+from torchloom.errors import TaskError
 
 __all__ = ["INTERNAL_PREFIX", "RunLog"]
 
@@ -57,6 +58,16 @@ class RunLog:
             self._buffer = previous
 
     @contextmanager
+    def predicting(self) -> Iterator[None]:
+        """Refuse what is logged: a prediction pass reduces and records no logged value (Lightning refuses
+        ``self.log`` in ``predict_step`` too), so a value logged there would be dropped without a word."""
+        previous, self._buffer = self._buffer, _REFUSING
+        try:
+            yield
+        finally:
+            self._buffer = previous
+
+    @contextmanager
     def discarding(self) -> Iterator[None]:
         """Check what is logged (types, shapes) and drop it: the sanity pass. A torchmetrics object logged here
         is reset afterwards, so what it saw during the pass is not counted later."""
@@ -92,3 +103,17 @@ class RunLog:
             self.history.append({"step": progress.global_step, "epoch": progress.epoch, **metrics})
             run.relay.call("on_log", metrics=metrics, progress=progress, accelerator=run.accelerator)
         return metrics, internal
+
+
+class _Refusing:
+    """The buffer of a prediction pass: every `log` is a `TaskError`."""
+
+    def log(self, name: str, *args: Any, **kwargs: Any) -> None:
+        raise TaskError(
+            f"log({name!r}) during predict: a prediction run reduces and records no logged value, so it would be "
+            "lost. Return the value from predict_step (it reaches on_predict_batch_end and the predictions), or "
+            "log it from validation_step and run validate"
+        )
+
+
+_REFUSING: Any = _Refusing()

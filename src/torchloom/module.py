@@ -290,8 +290,9 @@ class TaskModule:
 
         Raises:
             RuntimeError: called outside ``Engine.fit``, ``validate`` or ``predict``.
-            TaskError: a bad name, value, weight or reduction (also a `TypeError` / `ValueError`); at the
-                reduction, a metric whose compute fails or gives more than one number, or an update of a padded
+            TaskError: called during ``predict`` (a prediction run records no logged value: return it from
+                ``predict_step`` instead); a bad name, value, weight or reduction (also a `TypeError` / `ValueError`);
+                at the reduction, a metric whose compute fails or gives more than one number, or an update of a padded
                 last validation batch that cannot be cut to the real rows.
         """
         log_to_active_run(name, value, weight, reduce)
