@@ -89,7 +89,7 @@ _DROP = object()
 
 def test_the_written_manifest_has_the_current_format_and_version(fitted) -> None:
     manifest = json.loads((Path(fitted[0]) / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"]) == (FORMAT, VERSION) == ("torchloom.checkpoint.store", 2)
+    assert (manifest["format"], manifest["version"]) == (FORMAT, VERSION) == ("torchloom.checkpoint", 2)
 
 
 @pytest.mark.parametrize("version", [VERSION + 1, 1, _DROP, "2"], ids=["newer", "older-unsupported", "missing", "str"])

@@ -62,7 +62,7 @@ def test_auto_refuses_an_output_dir_whose_checkpoints_are_all_unusable_naming_ea
     assert "or fit without ckpt_path (without --resume) to start a new training" in message
     assert not (out / "version_1").exists()  # nothing ran: no run directory
     # A manifest of another format version, and a checkpoint without one, are unusable alike; named with why
-    (older / "manifest.json").write_text(json.dumps({"format": "torchloom.checkpoint.store", "version": 999}))
+    (older / "manifest.json").write_text(json.dumps({"format": "torchloom.checkpoint", "version": 999}))
     (newer / "manifest.json").unlink()
     with pytest.raises(CheckpointError) as caught:
         _engine(out).fit(TinyTask(), ckpt_path="auto")

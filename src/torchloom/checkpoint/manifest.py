@@ -26,7 +26,7 @@ __all__ = ["FORMAT", "MANIFEST", "VERSION", "file_entries", "manifest_base", "pu
 
 #: Version 2: the data position in samples of the global order with what defines that order, and the random
 #: states in the process's engine state (no pickle).
-FORMAT, VERSION = "torchloom.checkpoint.store", 2
+FORMAT, VERSION = "torchloom.checkpoint", 2
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 
