@@ -26,7 +26,6 @@ DATA = Path(__file__).resolve().parent / "data" / "checkpoint_format_2"
 sys.path.insert(0, str(DATA))
 from make import CHECKPOINT, SETTINGS  # noqa: E402
 
-
 CHECKPOINT_DIR = Path("version_0") / "checkpoints" / "step-00000003"
 
 
