@@ -21,9 +21,10 @@ Method card
   (``zero_grad``, the ``after_window_discard`` hook: ``grad_accum`` restarts its item count) and a redo.
 - **Normalisation:** a piece's loss is divided by ``k`` (the batch's loss is the mean of its pieces' means, as in a
   ``grad_accum`` window of ``k`` micro-batches), unless ``before_backward`` made it a sum over its items
-  (``outputs["loss_reduction"] == "sum"``: ``grad_accum`` with ``normalization: tokens``), which the window's
-  item count divides once per step. Either way a back-off changes nothing but the summation order.
-- **Hooks:** ``on_fit_start`` (checks the combination), ``run_train_step`` (the step), ``state_dict`` /
+  (``hooks.loss_reduction == "sum"``, `torchloom.StepHooks`: ``grad_accum`` with ``normalization: tokens``),
+  which the window's item count divides once per step. Either way a back-off changes nothing but the summation order.
+- **Hooks:** ``setup`` (a fit starts from scratch, or from a state loaded outside a fit), ``on_fit_start``
+  (checks the combination), ``run_train_step`` (the step), ``state_dict`` /
   ``load_state_dict`` (the chosen size travels in checkpoints).
 - **Limits:** ``grad_accum`` must keep ``steps: 1`` (the plugin accumulates); DDP or one process only (not FSDP,
   DeepSpeed); an out-of-memory error inside ``optimizer.step()`` is redone only when every process failed there
@@ -259,7 +260,8 @@ class AutoBatch(torchloom.Plugin):
         self.changes: list[dict[str, Any]] = []
         self._rows: int | None = None  # rows of a full batch per process (the first batch's)
         self._backoffs = 0
-        self._loaded = False  # load_state_dict ran: a resume continues with the saved size
+        # a state loaded outside a fit (a script's load_plugin_state before Engine.fit): the next fit starts from it
+        self._next_start: dict[str, Any] | None = None
         self._seq_len: int | None = None  # tokens per row of the first batch (input_ids), for the planner
         self._phase = "forward"  # where the current piece is
         self._count_checked = False  # a batch's num_items was checked to be its labels' loss-token count
@@ -270,18 +272,30 @@ class AutoBatch(torchloom.Plugin):
         return {"micro_batch_size": self.micro_batch_size, "batch_rows": self._rows, "backoffs": self._backoffs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.micro_batch_size, self._rows = state["micro_batch_size"], state["batch_rows"]
-        self._backoffs, self._loaded = int(state["backoffs"]), True
+        self.micro_batch_size, self._rows, self._backoffs = (
+            state["micro_batch_size"],
+            state["batch_rows"],
+            int(state["backoffs"]),
+        )
+        self._next_start = self.state_dict()  # (a resume's, loaded after setup, is forgotten at on_fit_start)
 
     # ------------------------------------------------------------------------------------ hooks
+
+    @torchloom.hookimpl
+    def setup(self, stage: str) -> None:
+        if stage == "fit":  # from scratch, or from a state loaded outside a fit; a resume's load comes after
+            start = self._next_start or {"micro_batch_size": None, "batch_rows": None, "backoffs": 0}
+            self.micro_batch_size, self._rows, self._backoffs = (
+                start["micro_batch_size"],
+                start["batch_rows"],
+                start["backoffs"],
+            )
 
     @torchloom.hookimpl
     def on_fit_start(self, accelerator) -> None:
         from accelerate.utils import DistributedType
 
-        if not self._loaded:
-            self.micro_batch_size, self._rows, self._backoffs = None, None, 0
-        self._loaded = False
+        self._next_start = None  # used: the next fit starts from scratch unless a state is loaded before it
         self.changes = []
         if accelerator.gradient_accumulation_steps != 1:
             raise torchloom.ConfigError(
@@ -330,7 +344,7 @@ class AutoBatch(torchloom.Plugin):
             self._phase = "forward"
             with accelerator.no_sync(model) if several else contextlib.nullcontext():
                 try:
-                    outputs.append(self._piece(task, accelerator, piece, len(pieces), progress, hooks))
+                    outputs.append(self._piece(task, model, accelerator, piece, len(pieces), progress, hooks))
                     failed = None
                     if len(outputs) > 1:  # of the pieces before the last, only what _combined reads is kept
                         outputs[-2] = {k: outputs[-2][k] for k in ("loss", "num_items") if k in outputs[-2]}
@@ -371,13 +385,13 @@ class AutoBatch(torchloom.Plugin):
                 piece["num_items"] = _loss_tokens(piece["labels"])
         return pieces
 
-    def _piece(self, task, accelerator, piece, count, progress, hooks) -> dict[str, Any]:
+    def _piece(self, task, model, accelerator, piece, count, progress, hooks) -> dict[str, Any]:
         """Forward and backward of one piece of ``count``; its outputs, with the raw loss detached."""
         result = task.training_step(piece, progress.batch_idx)
         out = dict(result) if isinstance(result, dict) else {"loss": result}
         raw = out["loss"]
-        hooks.before_backward(out, accelerator, progress)
-        loss = out["loss"] if out.pop("loss_reduction", None) == "sum" else out["loss"] / count
+        hooks.before_backward(out, accelerator, progress, model)
+        loss = out["loss"] if hooks.loss_reduction == "sum" else out["loss"] / count
         self._phase = "backward"
         accelerator.backward(loss)
         out["loss"] = raw.detach()

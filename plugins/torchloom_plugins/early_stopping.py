@@ -15,8 +15,9 @@ Method card
   monitored value, its best and the step of the best. The engine combines the requests over the processes and
   stops every process after the same optimizer step (the step of the check). The fit ends as a success:
   ``on_train_end``, the model save, ``on_fit_end``; `Engine.stop_reason` holds the reason.
-- **Hooks:** ``on_fit_start`` starts the fit's bookkeeping (and resets ``best`` / ``wait`` unless a state was
-  loaded before it: a resume); ``on_log`` checks; ``on_train_end`` marks the end of training (the values of the
+- **Hooks:** ``setup`` (a fit's) resets ``best`` / ``wait``, or starts them from a state loaded outside a fit
+  (a resume loads its state after ``setup``, as the plugin lifecycle states); ``on_fit_start`` starts the fit's
+  bookkeeping; ``on_log`` checks; ``on_train_end`` marks the end of training (the values of the
   final validation after it are still tracked, but no stop is requested any more: nothing is left to stop);
   ``on_fit_end`` warns once, on the main process, when the fit completed without ever logging ``monitor``, or
   checked it too few times while training for ``patience`` ever to stop it. The monitored value, its best so far
@@ -155,7 +156,8 @@ class EarlyStopping(torchloom.Plugin):
         self._monitor = torchloom.Monitor(self.name, cfg.monitor, cfg.mode, min_delta=cfg.min_delta)
         self.wait = 0
         self.stopped_step: int | None = None
-        self._loaded = False  # load_state_dict ran since the last fit started: the next fit resumes from it
+        # a state loaded outside a fit (a script's load_plugin_state before Engine.fit): the next fit starts from it
+        self._next_start: dict[str, Any] | None = None
         self._in_fit = False  # between on_fit_start and on_fit_end
         self._training = False  # before on_train_end: a stop request still stops something
         self._completed = False  # on_train_end fired in this fit
@@ -180,11 +182,17 @@ class EarlyStopping(torchloom.Plugin):
     # ------------------------------------------------------------------------------------------- hooks
 
     @torchloom.hookimpl
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            return
+        # Per-fit state from scratch, or from a state loaded outside a fit; a resume's load_state_dict comes after.
+        start = self._next_start or {"best": None, "best_step": None, "wait": 0}
+        self._monitor.start()
+        self.best, self.best_step, self.wait = start["best"], start["best_step"], start["wait"]
+
+    @torchloom.hookimpl
     def on_fit_start(self) -> None:
-        if not self._loaded:
-            self.wait = 0
-        self._monitor.start(keep_best=self._loaded)
-        self._loaded = False
+        self._next_start = None  # used: the next fit starts from scratch unless a state is loaded before it
         self.stopped_step = None
         self._in_fit, self._training, self._completed = True, True, False
         # the first check of a fit without a best is the best; then `patience` checks without improvement
@@ -310,4 +318,5 @@ class EarlyStopping(torchloom.Plugin):
             )
         self.best = None if best is None else float(best)
         self.best_step, self.wait, self.stopped_step = best_step, wait, stopped_step
-        self._loaded = not self._in_fit
+        if not self._in_fit:  # outside a fit, or in a resume's set-up: what the next fit starts from
+            self._next_start = {"best": self.best, "best_step": best_step, "wait": wait}

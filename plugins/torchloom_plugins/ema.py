@@ -12,8 +12,10 @@ Method card
   (one ``torch._foreach_lerp_`` over the parameter list, on the device, no host-device sync), applied to a list of
   shadow tensors rather than a deep copy of the model: only the parameters with ``requires_grad`` are averaged,
   so under ``peft`` the shadow is the adapter's weights only and the frozen base is never copied.
-- **Hooks:** ``on_fit_start`` (copy the weights, or apply a loaded state; a warning when ``every`` exceeds the fit's
-  optimizer steps, so that the average would stay the starting weights); ``after_optimizer_step`` (update; skips a
+- **Hooks:** ``on_fit_start`` (copy the weights, or place a state loaded before it: a resume loads every plugin's
+  state after ``on_run_start`` and before ``on_fit_start``, the first hook that has the model; a warning when
+  ``every`` exceeds the fit's optimizer steps, so that the average would stay the starting weights);
+  ``after_optimizer_step`` (update; skips a
   step the fp16 loss scaler skipped); ``on_validation_start`` / ``on_validation_end`` (swap the average in, then the
   training weights back bit for bit; ``validate_with_ema``); ``on_train_end`` (copy the average into the model
   before the engine saves it, ``swap_at_end``); ``teardown`` (put the training weights back if a validation raised).
@@ -114,7 +116,9 @@ class ExponentialMovingAverage(torchloom.Plugin):
         self._backup: list[torch.Tensor] | None = None  # the training weights while validating
         self._world = 1  # processes of the fit
         self._fitting = False
-        self._loaded: dict[str, Any] | None = None  # a state loaded outside a fit, applied at the next start
+        # A state loaded outside a fit (a resume's, before on_fit_start; a script's load_plugin_state before
+        # Engine.fit): the next fit's on_fit_start, the first hook that has the model, places it on its parameters.
+        self._next_start: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------------------------- hooks
 
@@ -126,8 +130,8 @@ class ExponentialMovingAverage(torchloom.Plugin):
             self._shadow = [p.detach().clone() for p in self._params]
         self.steps = self.updates = 0
         self._fitting = True
-        if self._loaded is not None:  # a checkpoint loaded before the fit (torchloom fit --resume)
-            state, self._loaded = self._loaded, None
+        state, self._next_start = self._next_start, None
+        if state is not None:  # loaded before this fit (a resume loads after on_run_start, before on_fit_start)
             self.load_state_dict(state)
         total = task.num_training_steps
         if total is not None and total > progress.global_step and accelerator.is_main_process:
@@ -216,8 +220,8 @@ class ExponentialMovingAverage(torchloom.Plugin):
         """``{"steps": int, "updates": int, "shadow": [tensor, ...]}``, as `torchloom.save_plugin_state` takes it
         (``ema.json`` + ``ema.safetensors``). With several processes it is a collective (the averages are made equal
         first): call it on every process, as the ``checkpoint`` plugin does."""
-        if self._loaded is not None:  # loaded, not applied yet: hand it back unchanged
-            return dict(self._loaded)
+        if self._next_start is not None:  # loaded, not placed yet: hand it back unchanged
+            return dict(self._next_start)
         if self._fitting:
             self._synchronise()
         return {"steps": self.steps, "updates": self.updates, "shadow": list(self._shadow or [])}
@@ -242,7 +246,7 @@ class ExponentialMovingAverage(torchloom.Plugin):
                 "ema: cannot load the state; expected {'steps': int, 'updates': int, 'shadow': [tensor, ...]}"
             )
         if not self._fitting or self._shadow is None:
-            self._loaded = dict(state)
+            self._next_start = dict(state)
             return
         _check_shapes(self._shadow, shadow, "load_state_dict")
         with torch.no_grad():

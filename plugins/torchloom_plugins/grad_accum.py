@@ -22,7 +22,8 @@ Method card
 
 - **Hooks:** ``configure_accelerator`` (the Accelerator setting), ``run_train_step`` (wrapper: the
   ``accumulate`` context; removes a micro-batch's gradient hooks), ``before_backward`` (token-sum loss, or the
-  gradient hooks of a 16-bit loss; marks the loss ``loss_reduction="sum"``), ``before_optimizer_step``
+  gradient hooks of a 16-bit loss, on the ``model`` it receives; declares the loss a sum,
+  ``hooks.loss_reduction = "sum"``), ``before_optimizer_step``
   (``tryfirst``: the window rescale, so that clipping and every other plugin see the final gradients),
   ``after_window_discard`` (a step that redoes its window, ``auto_batch``: the count starts again).
 - **Epoch shorter than ``steps``:** the window is flushed at the end of every epoch (Accelerate's
@@ -179,7 +180,6 @@ class GradientAccumulation(torchloom.Plugin):
         self._micro_batches = 0  # micro-batches in the current window (host int, no sync)
         self._num_items: torch.Tensor | float | None = None  # this rank's item count in the window
         self._warned_short_epoch = False
-        self._model: torch.nn.Module | None = None  # the model, during run_train_step
         self._count_hooks: list[Any] = []  # gradient hooks of the current micro-batch (a 16-bit loss)
         if not self._by_items:  # a plain mean: no loss to rescale per micro-batch
             inactive = {"before_backward"}
@@ -205,11 +205,9 @@ class GradientAccumulation(torchloom.Plugin):
         # dataloader) and, on the other micro-batches, enters DDP's no_sync: no gradient all-reduce.
         with accelerator.accumulate(model):
             self._micro_batches += 1
-            self._model = model
             try:
                 outputs = yield
             finally:
-                self._model = None
                 self._remove_count_hooks()
         if accelerator.sync_gradients:
             if self._micro_batches < self.config.steps and progress.batch_idx + 1 < self.config.steps:
@@ -218,7 +216,7 @@ class GradientAccumulation(torchloom.Plugin):
         return outputs
 
     @torchloom.hookimpl
-    def before_backward(self, outputs: dict[str, Any]) -> None:
+    def before_backward(self, outputs: dict[str, Any], model: torch.nn.Module | None, hooks: Any) -> None:
         if not self._by_items:
             return
         if "num_items" not in outputs:
@@ -234,15 +232,15 @@ class GradientAccumulation(torchloom.Plugin):
         # A step that runs several pieces of a batch in one run_train_step (auto_batch) calls this once per piece:
         # the hooks of the piece before are done with (its backward ran) and must not multiply this one's.
         self._remove_count_hooks()
-        outputs["loss_reduction"] = "sum"  # the window's count divides it (before_optimizer_step), not the pieces
-        if torch.finfo(loss.dtype).bits >= 32 or self._model is None:
+        hooks.loss_reduction = "sum"  # the window's count divides it (before_optimizer_step), not the pieces
+        if torch.finfo(loss.dtype).bits >= 32 or model is None:
             outputs["loss"] = _times(count, loss)  # mean -> sum over this micro-batch's items, exact in float32
         else:
             # A bf16 / fp16 loss: backward would cast any factor on the loss back to 16 bits (bf16 holds integers
             # exactly only up to 256), so the count multiplies each parameter's gradient where it is formed, in
             # the parameter's dtype, before it is accumulated (and before DDP all-reduces it).
             self._count_hooks = [
-                p.register_hook(functools.partial(_times, count)) for p in self._model.parameters() if p.requires_grad
+                p.register_hook(functools.partial(_times, count)) for p in model.parameters() if p.requires_grad
             ]
         self._num_items = count if self._num_items is None else self._num_items + count
 

@@ -9,7 +9,8 @@ Method card
 - **Mechanism:** `accelerate.local_sgd.LocalSGD`, used through its public API only: its context enters the
   DDP model's ``no_sync()`` for the whole fit and averages the parameters once more when it exits; its
   ``step()`` counts calls and averages on every ``local_sgd_steps``-th.
-- **Hooks:** ``on_fit_start`` enters the context; ``after_optimizer_step`` calls ``step()`` (it fires once per
+- **Hooks:** ``setup`` (a fit's outer state starts afresh, or from a state loaded outside a fit; a resume loads
+  after it); ``on_fit_start`` enters the context; ``after_optimizer_step`` calls ``step()`` (it fires once per
   optimizer step, never per micro-batch, whatever the accumulation or the number of parameter groups);
   ``on_train_end`` exits it (the final average, before the engine saves the model, so the saved model is the
   averaged one on every process); when the fit failed, ``on_train_end`` never fires and ``teardown`` leaves
@@ -129,11 +130,18 @@ class LocalSGDPlugin(torchloom.Plugin):
         # first fit, or until a checkpoint gives them).
         self.outer_params: list[torch.Tensor] | None = None
         self.outer_buffers: list[torch.Tensor] | None = None
-        self._loaded = False  # load_state_dict before on_fit_start: a resume, whose outer state is kept
+        # DiLoCo's outer state loaded outside a fit (a resume's, after setup; a script's before Engine.fit): the next
+        # fit starts from it
+        self._next_start: tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, int] | None = None
 
     @property
     def num_steps(self) -> int:
         return self._local_sgd.num_steps if self._local_sgd is not None else self._num_steps
+
+    @torchloom.hookimpl
+    def setup(self, stage: str) -> None:
+        if stage == "fit":  # a fresh outer state (made at on_fit_start), or one loaded outside a fit
+            self.outer_params, self.outer_buffers, self._outer_steps = self._next_start or (None, None, 0)
 
     @torchloom.hookimpl
     def on_fit_start(self, accelerator, model) -> None:
@@ -152,14 +160,14 @@ class LocalSGDPlugin(torchloom.Plugin):
         self._model = model
         if self.config.outer_optimizer is not None:
             params = [p.detach() for p in model.parameters()]
-            if not self._loaded or self.outer_params is None or self.outer_buffers is None:  # a fresh fit
+            if self.outer_params is None or self.outer_buffers is None:  # a fresh fit
                 self._outer_steps = 0
                 self.outer_params = [p.to(torch.float32, copy=True) for p in params]
                 self.outer_buffers = [torch.zeros_like(g) for g in self.outer_params]
             else:  # a resume: the global parameters and momentum of the checkpoint, on the model's devices
                 self.outer_params = [g.to(p.device, torch.float32) for g, p in zip(self.outer_params, params)]
                 self.outer_buffers = [m.to(p.device, torch.float32) for m, p in zip(self.outer_buffers, params)]
-        self._loaded = False
+        self._next_start = None  # used: the next fit starts afresh unless a state is loaded before it
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(local_sgd)  # enters model.no_sync(): no gradient all-reduce from here on
         self._local_sgd = local_sgd
@@ -285,6 +293,7 @@ class LocalSGDPlugin(torchloom.Plugin):
             self.outer_buffers = [t.to(torch.float32) for t in buffers]
             self._outer_steps = steps
         self._num_steps = num_steps
-        self._loaded = self._local_sgd is None
+        if self._local_sgd is None:  # outside a fit (or in a resume's set-up): what the next fit starts from
+            self._next_start = (self.outer_params, self.outer_buffers, self._outer_steps)
         if self._local_sgd is not None:
             self._local_sgd.num_steps = num_steps

@@ -28,7 +28,8 @@ Method card
   CUDA device's name (``device``, default from ``torch.cuda.get_device_name``) and the run's ``mixed_precision``
   (``fp32`` runs use the TF32 figure when ``torch.backends.cuda.matmul.allow_tf32`` is set). On a CPU there is no
   peak: ``mfu`` is not logged unless ``peak_flops`` is given.
-- **Hooks:** ``on_fit_start`` (the peak, the FLOPs per row), ``on_train_epoch_start`` (the first one starts the
+- **Hooks:** ``setup`` (a fit's totals start from zero, or from totals loaded outside a fit), ``on_fit_start``
+  (the peak, the FLOPs per row), ``on_train_epoch_start`` (the first one starts the
   clock: the sanity pass before it is not training time), ``on_train_batch_start`` (counts, before
   ``training_step`` can take ``num_items`` out of the batch), ``on_train_batch_end`` (logs them; the rates when an
   optimizer step just happened), ``on_validation_end`` (restarts the clock), ``on_log`` (totals).
@@ -244,7 +245,8 @@ class Throughput(torchloom.Plugin):
         self.totals: dict[str, float] = dict.fromkeys(self.COUNTS, 0.0)
         self.peak: float | None = None
         self.flops_per_row: FlopsPerRow | None = None
-        self._loaded = False
+        # totals loaded outside a fit (a script's load_plugin_state before Engine.fit): the next fit continues them
+        self._next_start: dict[str, float] | None = None
         self._clock = 0.0
         self._training = False  # whether the clock started (at the first epoch's start)
         self._window: dict[str, Any] = {}
@@ -253,11 +255,14 @@ class Throughput(torchloom.Plugin):
     # ------------------------------------------------------------------------------------------------ fit start
 
     @torchloom.hookimpl
+    def setup(self, stage: str) -> None:
+        if stage == "fit":  # from zero, or from totals loaded outside a fit; a resume's load comes after
+            self.totals = dict(self._next_start or dict.fromkeys(self.COUNTS, 0.0))
+
+    @torchloom.hookimpl
     def on_fit_start(self, accelerator, model: torch.nn.Module) -> None:
         c = self.config
-        if not self._loaded:
-            self.totals = dict.fromkeys(self.COUNTS, 0.0)
-        self._loaded = False
+        self._next_start = None  # used: the next fit counts from zero unless totals are loaded before it
         self.peak = c.peak_flops
         if self.peak is None and accelerator.device.type == "cuda":
             name = c.device or torch.cuda.get_device_name(accelerator.device)
@@ -356,7 +361,7 @@ class Throughput(torchloom.Plugin):
                 f"throughput: state {state!r:.200}; expected {{'totals': {{{', '.join(self.COUNTS)}: number}}}}"
             )
         self.totals = {name: float(totals[name]) for name in self.COUNTS}
-        self._loaded = True
+        self._next_start = dict(self.totals)  # (a resume's, loaded after setup, is forgotten at on_fit_start)
 
 
 def _float64(value: Any) -> Any:

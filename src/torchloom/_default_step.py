@@ -25,7 +25,7 @@ class DefaultTrainStep:
     def run_train_step(self, task, model, optimizer, scheduler, accelerator, batch, progress, hooks) -> dict[str, Any]:
         outputs = as_outputs(task.training_step(batch, progress.batch_idx), "training_step")
         loss = outputs["loss"]
-        hooks.before_backward(outputs, accelerator, progress)
+        hooks.before_backward(outputs, accelerator, progress, model)
         accelerator.backward(outputs["loss"])  # divides by gradient_accumulation_steps
         if accelerator.sync_gradients:
             hooks.optimizer_step(model, optimizer, scheduler, accelerator, progress)

@@ -88,7 +88,7 @@ class FitLoop:
         self.context = RunContext(
             logs, run.agreement, saver=self.save_checkpoint, async_saver=self.save_checkpoint_async
         )
-        self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement)
+        self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement, run.model)
         self.empty = EmptyMicroBatches()  # where a micro-batch with no loss token had a non-finite loss (device)
         # (epoch, batches done in it, epoch finished) while a checkpoint may be saved, else None
         self._save_point: tuple[int, int, bool] | None = None

@@ -12,6 +12,16 @@ Hook families:
 - ``run_*``: an overridable step with a default ``trylast`` implementation, wrapped by context-type
   techniques with ``@hookimpl(wrapper=True)``.
 
+The plugin lifecycle (what a stateful plugin may rely on): the engine reuses the same plugin objects across
+``fit``, ``validate`` and ``predict`` calls, so a plugin resets its per-fit state in ``setup(stage="fit")``, the
+first hook of every fit. On a resume (``Engine.fit(ckpt_path=...)``) the engine then calls ``load_state_dict``
+of every stateful plugin (a plugin with ``state_dict`` and ``load_state_dict``; a checkpoint without the state of
+one of them is refused), once, after ``on_run_start`` and before ``on_fit_start``, and ``on_fit_start`` receives
+``resumed``: not ``None`` exactly when they were loaded. So a plugin that resets in ``setup`` and builds what needs
+the prepared model in ``on_fit_start`` from what is there needs no "was my state just loaded" flag. A state loaded
+outside a call (a script's ``torchloom.load_plugin_state`` before ``Engine.fit``, no hook around it) is the
+plugin's to keep for the next fit's ``setup``, as the built-in stateful plugins do.
+
 Ordering: implementations run in the order the plugins were listed by the user; ``after_*`` and
 ``*_end`` hooks, and ``teardown``, run in the reverse order (first in, last out), so a plugin can undo
 what it did before the plugins listed after it. ``tryfirst`` / ``trylast`` override both.
@@ -23,7 +33,8 @@ Firing order of ``Engine.fit`` for E epochs of B micro-batches, validating at th
     configure_model                           1x
     configure_optimizers                      1x (first non-None result wins, else the task's)
     on_run_start                              1x: the run directory exists, the model is prepared
-    on_fit_start                              1x
+    (a resume: every stateful plugin's load_state_dict, once, here)
+    on_fit_start                              1x (resumed: not None exactly when the states were loaded)
     sanity validation                         num_sanity_val_steps batches, no hooks, nothing logged
     for epoch in range(E):
         on_train_epoch_start                  1x per epoch
@@ -92,6 +103,8 @@ def setup(config: EngineConfig, stage: str) -> None:
     yet), and also when ``validate`` / ``predict`` reuse the model of the last fit and run no set-up hook.
     ``teardown(stage)`` ends the same call; the engine calls a plugin's hooks only between the two, so a
     plugin can open what it needs here and close it in ``teardown``, and start each call with fresh state.
+    With ``stage="fit"`` this is where a plugin resets its per-fit state: on a resume, every stateful plugin's
+    ``load_state_dict`` runs later (after ``on_run_start``, before ``on_fit_start``), so the reset never undoes it.
 
     :param config: the loop settings the call runs by (read only). In a quick-debug run
         (``fast_dev_run``) ``config.is_fast_dev_run`` is true, and ``max_epochs``, ``val_check_interval``,
@@ -198,7 +211,8 @@ def on_run_start(accelerator: Accelerator, stage: str, run_dir: str, run_config:
     """Called when a ``fit`` / ``validate`` / ``predict`` call has its run directory and prepared model.
 
     **Fires:** once per call, on every rank, after the set-up (``configure_*``) and before anything runs
-    (``on_fit_start``, ``on_validation_start``, ``on_predict_start``). Start trackers or progress displays
+    (``on_fit_start``, ``on_validation_start``, ``on_predict_start``); in a resumed fit, before the checkpoint
+    is loaded (every stateful plugin's ``load_state_dict`` follows it). Start trackers or progress displays
     here; close them in ``teardown``. ``accelerator.project_dir`` and ``accelerator.logging_dir`` are
     ``run_dir``, so Accelerate's ``accelerator.init_trackers`` writes inside the run directory.
 
@@ -234,7 +248,9 @@ def on_fit_start(
     """Called when training is about to start, after everything went through ``accelerator.prepare``.
 
     **Fires:** once per ``fit``, on every rank, before the first epoch; in a resumed fit, after the checkpoint
-    was loaded.
+    was loaded: every stateful plugin's ``load_state_dict`` has run (after ``on_run_start``), once, and
+    ``resumed`` is not ``None``. Build here what needs the prepared model from the state that is there (reset in
+    ``setup``, or loaded); a plugin needs no flag to know whether its state was just loaded.
 
     :param accelerator: the run's Accelerator.
     :param task: the user's task.
@@ -245,7 +261,8 @@ def on_fit_start(
     :param log: ``log(name, value, weight=1.0, reduce="mean")`` buffers a value for logging, as `TaskModule.log` does.
     :param resumed: what a resumed fit continues (`torchloom.Resumed`: the chain of runs, the values they
         logged up to the checkpoint, the whole training's samples and times); ``None`` when the fit starts from
-        scratch. Write the earlier values to a tracker here (the ``trackers`` plugin does).
+        scratch (no plugin's ``load_state_dict`` ran in this fit's set-up). Write the earlier values to a tracker
+        here (the ``trackers`` plugin does).
 
     **Example:**
 
@@ -351,22 +368,38 @@ def run_train_step(
 
 
 @hookspec
-def before_backward(outputs: dict[str, Any], accelerator: Accelerator, progress: Progress) -> None:
+def before_backward(
+    outputs: dict[str, Any], accelerator: Accelerator, progress: Progress, model: torch.nn.Module, hooks: StepHooks
+) -> None:
     """Called between the forward pass and ``accelerator.backward``.
 
-    **Fires:** once per micro-batch, on every rank, from the default ``run_train_step``.
+    **Fires:** once per micro-batch, on every rank, from the default ``run_train_step`` (and from a step that
+    replaces it, through ``hooks.before_backward``; a step that cuts a batch into pieces fires it once per piece).
 
     :param outputs: the dict returned by `TaskModule.training_step` (a bare loss is turned into
         ``{"loss": loss}``). Implementations may replace ``outputs["loss"]`` with a rescaled loss (for
         example the token-count normalisation of gradient accumulation); the replacement must keep its
         autograd graph. Implementations run in plugin order and each sees the previous one's
-        replacement. The logged loss and ``on_train_batch_end`` always see the original loss. An
-        implementation that makes the loss a *sum* over the micro-batch's items, to be divided by the whole
-        window's count before the optimizer step (``grad_accum``'s ``tokens`` normalisation), sets
-        ``outputs["loss_reduction"] = "sum"``: a step that splits a batch into pieces (``auto_batch``) then
-        gives each piece's loss weight 1, where it divides a mean by the number of pieces.
+        replacement. The logged loss and ``on_train_batch_end`` always see the original loss.
     :param accelerator: the run's Accelerator.
     :param progress: counters for this micro-batch.
+    :param model: the prepared model the step trains (for a hook on its parameters' gradients, as
+        ``grad_accum`` registers for a 16-bit loss).
+    :param hooks: the step's `torchloom.StepHooks`. Its one field for this hook is ``hooks.loss_reduction``
+        (`torchloom.step.LossReduction`), ``"mean"`` when the hook fires: an implementation that makes
+        ``outputs["loss"]`` a *sum* over the micro-batch's items, to be divided by the whole window's count before
+        the optimizer step (``grad_accum``'s ``tokens`` normalisation), sets ``hooks.loss_reduction = "sum"``. A
+        step that splits a batch into pieces (``auto_batch``) reads it after the hook: it gives a sum weight 1 and
+        divides a mean by the number of pieces. Do not call the step methods of ``hooks`` here.
+
+    **Example:**
+
+    .. code-block:: python
+
+        @torchloom.hookimpl
+        def before_backward(self, outputs, hooks):
+            outputs["loss"] = outputs["loss"] * outputs["num_items"]  # a sum over the micro-batch's items
+            hooks.loss_reduction = "sum"
     """
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -24,7 +24,19 @@ if TYPE_CHECKING:
     from torchloom.plugins import HookRelay
     from torchloom.progress import Progress
 
-__all__ = ["StepHooks", "StepOutcome", "WindowOutOfMemory", "direct_optimizer", "is_out_of_memory"]
+__all__ = [
+    "LossReduction",
+    "StepHooks",
+    "StepOutcome",
+    "WindowOutOfMemory",
+    "direct_optimizer",
+    "is_out_of_memory",
+]
+
+#: How a micro-batch's loss is reduced over its items, as `StepHooks.loss_reduction` declares it: ``"mean"`` (what
+#: ``training_step`` returns) or ``"sum"`` (a ``before_backward`` implementation made it a sum over the items, which
+#: the whole window's item count divides before the optimizer step).
+LossReduction = Literal["mean", "sum"]
 
 #: What the allocators' out-of-memory errors say when they are raised as a plain ``RuntimeError`` (the CPU's
 #: ``DefaultCPUAllocator``, cuDNN / cuBLAS failing to allocate, MPS and XPU); CUDA's own is `torch.OutOfMemoryError`.
@@ -98,9 +110,19 @@ class StepHooks:
             finite on any process.
         agreement (`RankAgreement`): how the processes agree on such a skip.
 
+        model (`torch.nn.Module`, *optional*): the fit's (prepared) model, which the ``before_backward`` hook
+            receives when a step calls `before_backward` without its own.
+
     Attributes:
         log (`Callable`): buffers a value for logging, ``log(name, value, weight=1.0, reduce="mean")``; see
             `TaskModule.log`.
+        loss_reduction (`str`): how the ``outputs["loss"]`` that the last `before_backward` call left is reduced over
+            its micro-batch's items: ``"mean"`` (what ``training_step`` returns; the default, set again at every
+            `before_backward` call) or ``"sum"``, set by a ``before_backward`` implementation that turned it into a
+            sum to be divided by the whole window's item count before the optimizer step (``grad_accum`` with
+            ``normalization: tokens``). A step that splits a batch into pieces (``auto_batch``) reads it after each
+            `before_backward`: it divides a mean by its number of pieces, and gives a sum weight 1. See
+            `LossReduction`.
 
     Example (a step that replaces the default one, and keeps what the engine does around the optimizer step):
 
@@ -117,9 +139,18 @@ class StepHooks:
             return outputs
     """
 
-    def __init__(self, relay: HookRelay, log: Any, skip_nonfinite: bool, agreement: RankAgreement) -> None:
+    def __init__(
+        self,
+        relay: HookRelay,
+        log: Any,
+        skip_nonfinite: bool,
+        agreement: RankAgreement,
+        model: torch.nn.Module | None = None,
+    ) -> None:
         self._run = relay.run
         self.log = log
+        self._model = model  # the fit's model: ``before_backward``'s when a step does not pass its own
+        self.loss_reduction: LossReduction = "mean"
         #: the relay's call lists of these hooks (kept up to date by the relay; empty: nobody implements it)
         self._before_backward = relay.hook("before_backward")
         self._after_window_discard = relay.hook("after_window_discard")
@@ -132,12 +163,23 @@ class StepHooks:
         self._wrapped: Any = None  # the optimizer `_direct` was decided for
         self._direct: Any = None  # what `optimizer.step` / `zero_grad` call inside Accelerate's wrapper, or None
 
-    def before_backward(self, outputs: dict[str, Any], accelerator: Accelerator, progress: Progress) -> None:
+    def before_backward(
+        self,
+        outputs: dict[str, Any],
+        accelerator: Accelerator,
+        progress: Progress,
+        model: torch.nn.Module | None = None,
+    ) -> None:
         """Call it after the forward pass, before ``accelerator.backward``: it fires ``before_backward`` (which may
-        replace ``outputs["loss"]``: read it again afterwards), and with ``nonfinite_loss="skip"`` notes on the
-        device whether this micro-batch's loss is finite (no sync), for `optimizer_step`. A micro-batch whose
-        ``num_items`` is 0 (no loss token) is not a non-finite loss: its mean over no token is NaN (0 / 0) with a
-        zero gradient (transformers' loss), and it is only noted as having no items."""
+        replace ``outputs["loss"]``: read it again afterwards, and `loss_reduction` with it), and with
+        ``nonfinite_loss="skip"`` notes on the device whether this micro-batch's loss is finite (no sync), for
+        `optimizer_step`. A micro-batch whose ``num_items`` is 0 (no loss token) is not a non-finite loss: its mean
+        over no token is NaN (0 / 0) with a zero gradient (transformers' loss), and it is only noted as having no
+        items.
+
+        ``model`` is the model the step trains, which the hook receives; a step that does not pass it gives the hook
+        the fit's model (the ``model`` of ``run_train_step``)."""
+        self.loss_reduction = "mean"
         if self._skip_nonfinite:
             bad = ~torch.isfinite(outputs["loss"].detach())
             if "num_items" in outputs:
@@ -152,7 +194,16 @@ class StepHooks:
                 )
             self._window_nonfinite = bad if self._window_nonfinite is None else self._window_nonfinite | bad
         if self._before_backward.impls:
-            self._run(self._before_backward, {"outputs": outputs, "accelerator": accelerator, "progress": progress})
+            self._run(
+                self._before_backward,
+                {
+                    "outputs": outputs,
+                    "accelerator": accelerator,
+                    "progress": progress,
+                    "model": self._model if model is None else model,
+                    "hooks": self,
+                },
+            )
 
     def optimizer_step(
         self,
