@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import torchloom
-from torchloom.checkpoint.manifest import FORMAT, VERSION
+from torchloom.checkpoint.manifest import FORMAT, READABLE, VERSION
 from torchloom.testing import TinyTask
 
 DATA = Path(__file__).resolve().parent / "data" / "checkpoint_format_2"
@@ -36,7 +36,9 @@ def _copy(tmp_path: Path) -> Path:
 
 def test_the_format_has_not_changed_under_the_stored_checkpoint():
     manifest = json.loads((DATA / CHECKPOINT_DIR / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"]) == (FORMAT, VERSION) == ("torchloom.checkpoint", 2)
+    assert (manifest["format"], manifest["version"]) == ("torchloom.checkpoint", 2)
+    assert FORMAT == "torchloom.checkpoint" and 2 in READABLE and VERSION == 3  # version 3: XXH3-128 checksums
+    assert all("sha256" in entry and "xxh3_128" not in entry for entry in manifest["files"].values())
 
 
 def test_a_checkpoint_of_the_earlier_code_resumes_to_the_same_model_bitwise(tmp_path):
@@ -63,4 +65,15 @@ def test_a_manifest_of_another_format_name_is_refused(tmp_path):
     (checkpoint / "manifest.json").write_text(json.dumps({**manifest, "format": "torchloom.checkpoint.store"}))
     engine = torchloom.Engine(plugins=[{"checkpoint": CHECKPOINT}], default_plugins=False, **SETTINGS)
     with pytest.raises(torchloom.CheckpointError, match="is not a torchloom checkpoint manifest"):
+        engine.fit(TinyTask(n=32, batch_size=4), ckpt_path=str(checkpoint))
+
+
+def test_a_flipped_byte_in_a_version_2_checkpoint_is_caught_by_its_sha256(tmp_path):
+    checkpoint = _copy(tmp_path)
+    weights = checkpoint / "accelerate" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    engine = torchloom.Engine(plugins=[{"checkpoint": CHECKPOINT}], default_plugins=False, **SETTINGS)
+    with pytest.raises(torchloom.CheckpointError, match=r"model.safetensors changed .* \(size or sha256 differs"):
         engine.fit(TinyTask(n=32, batch_size=4), ckpt_path=str(checkpoint))

@@ -89,7 +89,7 @@ _DROP = object()
 
 def test_the_written_manifest_has_the_current_format_and_version(fitted) -> None:
     manifest = json.loads((Path(fitted[0]) / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"]) == (FORMAT, VERSION) == ("torchloom.checkpoint", 2)
+    assert (manifest["format"], manifest["version"]) == (FORMAT, VERSION) == ("torchloom.checkpoint", 3)
 
 
 @pytest.mark.parametrize("version", [VERSION + 1, 1, _DROP, "2"], ids=["newer", "older-unsupported", "missing", "str"])
@@ -101,7 +101,7 @@ def test_a_manifest_of_another_version_is_refused_naming_file_version_and_the_on
     shown = None if version is _DROP else version
     expected = (
         rf"{re.escape(repr(str(checkpoint / 'manifest.json')))} is checkpoint format version {re.escape(repr(shown))};"
-        rf" this torchloom \(.*\) reads version {VERSION}$"
+        rf" this torchloom \(.*\) reads versions 2, {VERSION}$"
     )
     with pytest.raises(torchloom.CheckpointError, match=expected):
         read_manifest(checkpoint)

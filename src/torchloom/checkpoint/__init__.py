@@ -5,7 +5,7 @@ Its modules, by role:
 
 - `store`: a checkpoint directory written (`write_checkpoint`) and loaded (`load_checkpoint`); found, listed,
   checked for compatibility, deleted. Its docstring describes the format.
-- `manifest`: ``manifest.json``, written last, with every file's size and SHA-256.
+- `manifest`: ``manifest.json``, written last, with every file's size and checksum (XXH3-128).
 - `plugin_state`: plugin state on disk without pickle (tensors in safetensors, the rest in JSON).
 - `async_save`: the state copied once to host memory, written by a thread (`PendingCheckpoint`).
 - `data_position`, `fetch_states`, `random_states`: where the data stands and the random states that make a
