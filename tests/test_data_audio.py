@@ -372,9 +372,8 @@ def test_unreadable_truncated_and_unresamplable_files_name_the_file(tmp_path):
                 read_audio(bad)
     assert not (tmp_path / "cache").exists()  # nothing half-made was cached
     write_metadata(folder, [["low/00.wav", "low"], ["missing.wav", "mid"]], header=("file_name", "label"))
-    with pytest.raises(
-        ConfigError, match=re.escape(f"audio file '{folder / 'missing.wav'}' (row 1 of 'file_name') does not exist")
-    ):
+    missing = f"'{folder / 'metadata.csv'}': row 2: audio_column 'file_name' names '{folder / 'missing.wav'}', which"
+    with pytest.raises(ConfigError, match=re.escape(f"{missing} does not exist; expected the path of an audio file")):
         AudioClassificationData(folder, cache_dir=tmp_path / "cache").prepare_data()
     array = datasets.Dataset.from_dict({"file_name": [{"array": [0.1, 0.2], "sampling_rate": 0}], "label": ["a"]})
     with pytest.raises(ConfigError, match=r"audio_column 'file_name' row 0 has sample rate 0 Hz"):

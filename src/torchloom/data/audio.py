@@ -67,6 +67,7 @@ from torchloom.data.audio_features import (
 from torchloom.data.audio_folders import METADATA_FILE as METADATA_FILE  # a constant audio.py had before the split
 from torchloom.data.audio_folders import AudioSource, audio_fingerprint, read_audio_folder
 from torchloom.data.base import CachedDataModule
+from torchloom.data.tables import require_column, row_name, table_path
 
 __all__ = [
     "AudioClassificationData",
@@ -96,9 +97,11 @@ class AudioClassificationData(CachedDataModule):
     adds decoding, resampling and the feature extractor.
 
     Args:
-        train: the training clips: an audio folder (a directory with ``metadata.csv``), a metadata table file,
+        train: the training clips: an audio folder (a directory with ``metadata.csv``), a metadata table file
+            (``.csv``, ``.tsv``, ``.json``, ``.jsonl``, ``.parquet``; paths relative to its folder, or absolute),
             a `pandas.DataFrame` or a `datasets.Dataset` (see `read_audio_folder`).
-        validation (*optional*): the validation clips, same kinds.
+        validation (*optional*): the validation clips, same kinds. ``set_predict_input`` (``torchloom predict
+            --input FILE``) takes a table file too, whose rows need no label (absent, or missing in some rows: -1).
         audio_column (`str`, defaults to ``"file_name"``): the clips (paths, or ``datasets.Audio(decode=False)``
             / ``{"array", "sampling_rate"}`` dicts).
         label_column (`str`, defaults to ``"label"``): the class of each clip (strings or non-negative integers).
@@ -135,7 +138,8 @@ class AudioClassificationData(CachedDataModule):
     Raises:
         ConfigError: a bad setting (names it, its value and what is valid); and, from ``prepare_data``, a
             missing path, column or clip, an empty split, labels of the wrong type, an unreadable or truncated
-            clip, a sample rate that cannot be resampled (each names the file or column).
+            clip, a sample rate that cannot be resampled (each names the file or column; for a table file, the file
+            and the row: its line in a JSON lines file).
     """
 
     train_description = "the training clips (a folder or a table)"
@@ -200,10 +204,32 @@ class AudioClassificationData(CachedDataModule):
         self.feature_extractor = build_feature_extractor(features, sample_rate, **self.feature_args)
         self.sample_rate: int = int(self.feature_extractor.sampling_rate)
         self._base_dirs: dict[str, Path | None] = {}
+        #: The table file each split was read from (``None``: an in-memory table), for the row in a clip's error.
+        self._table_files: dict[str, Path | None] = {}
 
     def read_split(self, split: str, source: AudioSource) -> datasets.Dataset:
-        """The table of ``split`` (`read_audio_folder`); the directory its relative paths start from is kept."""
-        table, self._base_dirs[split] = read_audio_folder(source, self.split_name(split))
+        """The table of ``split`` (`read_audio_folder`); the directory its relative paths start from is kept.
+
+        A table read from a file (an audio folder's ``metadata.csv``, or a ``.jsonl`` / ``.json`` / ``.csv`` /
+        ``.tsv`` / ``.parquet`` file) must have ``audio_column``, and every path in it must name a file (checked
+        here, before anything is decoded; `torchloom.data.tables.table_path`).
+
+        Raises:
+            ConfigError: the source cannot be read; a table file without ``audio_column`` (names the file and its
+                columns), or a row without a path or whose path is not a file (names the file, the row: its line in
+                a JSON lines file, and what is valid).
+        """
+        name = self.split_name(split)
+        table, self._base_dirs[split] = read_audio_folder(source, name)
+        file = None
+        if isinstance(source, str | os.PathLike):
+            file = Path(source).expanduser()
+            file = file / METADATA_FILE if file.is_dir() else file
+            require_column(table, self.audio_column, "audio_column", f"{name} path '{file}'")
+            for row, value in enumerate(table[self.audio_column]):
+                if value is None or isinstance(value, str):
+                    table_path(value, file, row, self.audio_column, "audio_column", name, "an audio file")
+        self._table_files[split] = file
         return table
 
     def cache_settings(self) -> dict[str, Any]:
@@ -249,7 +275,10 @@ class AudioClassificationData(CachedDataModule):
         }
 
     def preprocess(self, split: str, table: datasets.Dataset) -> datasets.Dataset:
-        """Decode, resample, cut and featurise every clip of ``split`` (`extract_features`), keeping ``labels``."""
+        """Decode, resample, cut and featurise every clip of ``split`` (`extract_features`), keeping ``labels``; a
+        clip that cannot be decoded is named with its row in the table file it came from (``line 3`` of a
+        ``.jsonl``)."""
+        name, file = self.split_name(split), self._table_files.get(split)
         return extract_features(
             table,
             self.feature_extractor,
@@ -258,7 +287,8 @@ class AudioClassificationData(CachedDataModule):
             self._base_dirs[split],
             ("labels",),
             self.resample_quality,
-            name=self.split_name(split),
+            name=name,
+            row_names=(lambda row: f"{name} path '{file}': {row_name(file, row)}") if file is not None else None,
         )
 
     def format_split(self, dataset: datasets.Dataset) -> datasets.Dataset:

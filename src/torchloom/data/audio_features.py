@@ -231,6 +231,7 @@ def extract_features(
     resample_quality: str = "VHQ",
     batch_size: int = 64,
     name: str = "data",
+    row_names: Callable[[int], str] | None = None,
 ) -> datasets.Dataset:
     """Decode, resample, pad / truncate and featurise every clip with a batched `datasets.Dataset.map`.
 
@@ -246,6 +247,8 @@ def extract_features(
         resample_quality (`str`, defaults to ``"VHQ"``): soxr's quality (`resample`).
         batch_size (`int`, defaults to 64): clips per extractor call.
         name (`str`, defaults to ``"data"``): what to call the table in error messages.
+        row_names (*optional*): what to call row ``i`` in the error about its clip, in place of ``name``: e.g.
+            ``"<name> path 'clips.jsonl': line 3"`` for a table read from a file.
 
     Returns:
         `datasets.Dataset`: the extractor's outputs (``input_features`` of shape ``(n_mels, frames)`` for
@@ -282,11 +285,16 @@ def extract_features(
     def featurise(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, Any]:
         clips = []
         for row, value in zip(indices, batch[audio_column]):
-            samples, clip_rate, what = decode_clip(
-                resolve_clip(value, base, row, audio_column, name), row, audio_column, name
-            )
-            clip_rate = check_rate(clip_rate, what, rate)
-            clips.append(fix_length(resample(samples, clip_rate, rate, resample_quality, what), num_samples))
+            try:
+                samples, clip_rate, what = decode_clip(
+                    resolve_clip(value, base, row, audio_column, name), row, audio_column, name
+                )
+                clip_rate = check_rate(clip_rate, what, rate)
+                clips.append(fix_length(resample(samples, clip_rate, rate, resample_quality, what), num_samples))
+            except ConfigError as exc:
+                if row_names is None:
+                    raise
+                raise ConfigError(f"{row_names(row)}: {str(exc).removeprefix(f'{name}: ')}") from None
         out = extractor(clips, sampling_rate=rate, return_tensors="np")
         result: dict[str, Any] = {c: batch[c] for c in kept}
         for key, reference in outputs.items():

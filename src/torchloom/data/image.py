@@ -7,8 +7,8 @@ them together as a `DataModule`:
   `PIL.Image.Image`) and converts it to ``"RGB"`` or ``"L"``; every failure is a `ConfigError` naming the file
   or the row.
 - `read_image_folder` lists an image folder with one sub-folder per class; `image_table` turns any source (an
-  image folder, a ``save_to_disk`` directory, a `datasets.Dataset` with an ``Image`` or array column, or arrays)
-  into a table.
+  image folder, a ``save_to_disk`` directory, a table file of image paths, a `datasets.Dataset` with an ``Image``
+  or array column, or arrays) into a table.
 - `ImageTransform` resizes and normalises, either with a transformers image processor (`load_image_processor`:
   from a local directory, a Hub id in the local cache, or a ``preprocessor_config.json``-style dict) or with
   plain settings (``size``, ``mean``, ``std``); `preprocess_images` applies it with a batched ``Dataset.map``
@@ -59,7 +59,7 @@ from torchloom.data.image_transforms import (
     random_crop,
     random_horizontal_flip,
 )
-from torchloom.data.tables import require_column
+from torchloom.data.tables import TABLE_READERS, require_column, row_name
 from torchloom.errors import ConfigError
 
 __all__ = [
@@ -91,9 +91,14 @@ class ImageClassificationData(CachedDataModule):
 
     Args:
         train: the training images (see `image_table`): an image folder (one sub-folder per class), a
-            ``save_to_disk`` directory, a `datasets.Dataset`, ``(images, labels)`` arrays or a mapping of them.
-        validation (*optional*): the validation images, same kinds.
-        image_column (`str`, defaults to ``"image"``): a ``datasets.Image`` column, encoded bytes or pixel arrays.
+            ``save_to_disk`` directory, a ``.jsonl`` / ``.json`` / ``.csv`` / ``.tsv`` / ``.parquet`` file whose
+            ``image_column`` holds image paths (relative to the file's folder, or absolute: decoded exactly as a
+            folder's images, in the file's order; `read_image_file_table`), a `datasets.Dataset`,
+            ``(images, labels)`` arrays or a mapping of them.
+        validation (*optional*): the validation images, same kinds. ``set_predict_input`` (``torchloom predict
+            --input FILE``) takes such a file too, whose rows need no label (absent, or missing in some rows: -1).
+        image_column (`str`, defaults to ``"image"``): a ``datasets.Image`` column, encoded bytes or pixel arrays;
+            in a table file, image paths.
         label_column (`str`, defaults to ``"label"``): the class of each row: a `datasets.ClassLabel`, strings or
             non-negative integers.
         label_names (`list[str]`, *optional*): the class names in id order; defaults to the sorted class
@@ -138,7 +143,7 @@ class ImageClassificationData(CachedDataModule):
     Raises:
         ConfigError: a bad setting (names it, its value and what is valid); and, from ``prepare_data``, a missing
             path or column, labels of the wrong type, an unreadable, truncated or unconvertible image (naming the
-            file or row) or an empty split.
+            file or row; for a table file, the file and the row: its line in a JSON lines file) or an empty split.
     """
 
     train_description = "the training images (a folder or a table)"
@@ -209,6 +214,8 @@ class ImageClassificationData(CachedDataModule):
         self.image_column, self.allow_empty_classes, self.mode = image_column, allow_empty_classes, mode
         self.image_processor_spec, self.processor_backend = image_processor, processor_backend
         self._transform: ImageTransform | None = None
+        #: The table file each split was read from (`read_image_file_table`), for the row in an image's error.
+        self._table_files: dict[str, Path | None] = {}
 
     @property
     def transform(self) -> ImageTransform:
@@ -224,9 +231,12 @@ class ImageClassificationData(CachedDataModule):
     def read_split(self, split: str, source: ImageSource) -> datasets.Dataset:
         """The raw table of ``split`` (`image_table`), checked to hold images: the image column and a row."""
         names = self.label_names_setting
-        if split != "train" and names is None and isinstance(source, str | os.PathLike):
+        folder = isinstance(source, str | os.PathLike) and Path(source).expanduser().is_dir()
+        if split != "train" and names is None and folder:
             names = self._folder_classes()  # a validation folder may lack a class: keep the training ids
         where = self.split_name(split)
+        file = _table_file(source)
+        self._table_files[split] = file.absolute() if file is not None else None
         table = image_table(source, self.image_column, self.label_column, names, where, self.allow_empty_classes)
         require_column(table, self.image_column, "image_column", where)
         if len(table) == 0:
@@ -277,8 +287,18 @@ class ImageClassificationData(CachedDataModule):
         return image_data_fingerprint(table, self.image_column)
 
     def preprocess(self, split: str, table: datasets.Dataset) -> datasets.Dataset:
-        """Decode and transform every image of ``split`` (`preprocess_images`), keeping ``labels``."""
-        return preprocess_images(table, self.transform, self.image_column, name=self.split_name(split))
+        """Decode and transform every image of ``split`` (`preprocess_images`), keeping ``labels``; an image that
+        cannot be decoded is named with its row in the table file it came from (``line 3`` of a ``.jsonl``)."""
+        name, file = self.split_name(split), self._table_files.get(split)
+        if file is None:  # a folder, a save_to_disk directory, a Dataset or arrays: rows are named as they are
+            return preprocess_images(table, self.transform, self.image_column, name=name)
+        return preprocess_images(
+            table,
+            self.transform,
+            self.image_column,
+            name=name,
+            row_names=lambda row: f"{name} path '{file}': {row_name(file, row)}",
+        )
 
     def format_split(self, dataset: datasets.Dataset) -> datasets.Dataset:
         """``pixel_values`` and ``labels`` as torch tensors."""
@@ -295,5 +315,15 @@ class ImageClassificationData(CachedDataModule):
 def _source_kind(source: Any) -> str:
     if isinstance(source, str | os.PathLike):
         path = Path(source).expanduser()
+        if path.is_file():
+            return f"table file ({path.suffix.lower()})"
         return "save_to_disk" if (path / "state.json").is_file() else "image folder"
     return type(source).__name__
+
+
+def _table_file(source: Any) -> Path | None:
+    """The table file of image paths that ``source`` is (`read_image_file_table`), or ``None``."""
+    if isinstance(source, str | os.PathLike):
+        path = Path(source).expanduser()
+        return path if path.is_file() and path.suffix.lower() in TABLE_READERS else None
+    return None

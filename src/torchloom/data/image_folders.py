@@ -18,9 +18,10 @@ import numpy as np
 
 from torchloom.data.cache import fingerprint
 from torchloom.data.image_decoding import image_extensions, image_from_array
+from torchloom.data.tables import TABLE_READERS, read_table, require_column, table_path
 from torchloom.errors import ConfigError
 
-__all__ = ["image_data_fingerprint", "image_table", "read_image_folder"]
+__all__ = ["image_data_fingerprint", "image_table", "read_image_file_table", "read_image_folder"]
 
 #: What an image source may be (see `image_table`); typed loosely for config files.
 ImageSource: TypeAlias = Any
@@ -118,6 +119,8 @@ def image_table(
 
             - a directory written by ``save_to_disk`` (one `datasets.Dataset`), loaded memory-mapped;
             - any other directory: an image folder, one sub-folder per class (`read_image_folder`);
+            - a ``.jsonl`` / ``.json`` / ``.csv`` / ``.tsv`` / ``.parquet`` file whose ``image_column`` holds image
+              paths, relative to the file's folder or absolute (`read_image_file_table`);
             - a `datasets.Dataset` whose ``image_column`` is a ``datasets.Image`` column or holds pixel arrays
               (``Array2D`` / ``Array3D`` / nested lists of integers), returned as is;
             - ``(images, labels)``: a ``uint8`` array shaped ``(n, height, width)`` or ``(n, height, width,
@@ -132,7 +135,8 @@ def image_table(
 
     Raises:
         ConfigError: a path that does not exist, a directory holding a DatasetDict, an image folder that
-            `read_image_folder` refuses, arrays of unequal length or an unsupported kind of source.
+            `read_image_folder` refuses, a table file that `read_image_file_table` refuses, a file of another
+            suffix, arrays of unequal length or an unsupported kind of source.
     """
     if isinstance(source, datasets.Dataset):
         return source
@@ -141,9 +145,12 @@ def image_table(
         if not path.exists():
             raise ConfigError(f"{name} path '{path}' does not exist")
         if not path.is_dir():
+            if path.suffix.lower() in TABLE_READERS:
+                return read_image_file_table(path, image_column, name)
             raise ConfigError(
-                f"{name} path '{path}' is a file; expected an image folder (one sub-folder per class) or a "
-                "save_to_disk directory"
+                f"{name} path '{path}' is a file with the suffix {path.suffix or '(none)'!r}; expected an image "
+                f"folder (one sub-folder per class), a save_to_disk directory or a table file of image paths "
+                f"({', '.join(TABLE_READERS)})"
             )
         if (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
             loaded = datasets.load_from_disk(str(path))
@@ -166,6 +173,43 @@ def image_table(
             "datasets.Dataset, (images, labels) arrays or a mapping of them"
         )
     return _array_table(images, labels, image_column, label_column, name)
+
+
+def read_image_file_table(
+    path: str | os.PathLike[str], image_column: str = "image", name: str = "data"
+) -> datasets.Dataset:
+    """Read a table file whose ``image_column`` holds image paths (`torchloom.data.read_table`: ``.jsonl``,
+    ``.json``, ``.csv``, ``.tsv``, ``.parquet``), as `read_image_folder` lists a folder.
+
+    A relative path starts at the file's folder, an absolute one is kept. Each path becomes a
+    ``datasets.Image(decode=False)`` value naming the file, as in a folder's table, so the images are decoded as a
+    folder's are; every other column (a label column, complete or not, or none) is kept as it is, and the rows keep
+    the file's order. Nothing is decoded here.
+
+    Args:
+        path (`str` or `os.PathLike`): the file.
+        image_column (`str`, defaults to ``"image"``): the column of image paths.
+        name (`str`, defaults to ``"data"``): what to call it in error messages.
+
+    Returns:
+        `datasets.Dataset`: the file's rows, ``image_column`` a ``datasets.Image(decode=False)`` column of absolute
+        paths.
+
+    Raises:
+        ConfigError: the file cannot be read (`read_table`), has no ``image_column`` (names the file and lists its
+            columns), or a row has no path or names a path that is not a file (names the file, the row: its line in
+            a JSON lines file, the path and what is valid).
+    """
+    path = Path(path).expanduser().absolute()
+    table = read_table(path, name)
+    require_column(table, image_column, "image_column", f"{name} path '{path}'")
+    values = [
+        {"bytes": None, "path": str(table_path(value, path, row, image_column, "image_column", name, "an image file"))}
+        for row, value in enumerate(table[image_column])
+    ]
+    features = table.features.copy()
+    features[image_column] = datasets.Image(decode=False)
+    return datasets.Dataset.from_dict({**table.to_dict(), image_column: values}, features=features)
 
 
 def _array_table(images: Any, labels: Any, image_column: str, label_column: str, name: str) -> datasets.Dataset:

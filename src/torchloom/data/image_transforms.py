@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -231,6 +231,7 @@ def preprocess_images(
     keep_columns: Sequence[str] = ("labels",),
     batch_size: int = 256,
     name: str = "data",
+    row_names: Callable[[int], str] | None = None,
 ) -> datasets.Dataset:
     """Decode every image and transform it, with a batched `datasets.Dataset.map`.
 
@@ -243,6 +244,8 @@ def preprocess_images(
             other column is dropped. Missing ones are ignored.
         batch_size (`int`, defaults to 256): images per map call.
         name (`str`, defaults to ``"data"``): what to call the table in error messages.
+        row_names (*optional*): what to call row ``i`` in the error about its image, in place of ``name``: e.g.
+            ``"<name> path 'rows.jsonl': line 3"`` for a table read from a file (`read_image_file_table`).
 
     Returns:
         `datasets.Dataset`: ``pixel_values`` (``Array3D`` float32, ``(channels, height, width)``, the same for
@@ -268,11 +271,12 @@ def preprocess_images(
     def encode_rows(values: Sequence[Any], indices: Sequence[int]) -> np.ndarray:
         labels = [label(v, i) for v, i in zip(values, indices)]
         images = []
-        for value, where in zip(values, labels):
+        for value, where, row in zip(values, labels, indices):
             if kind is not None:
                 value = np.asarray(value).astype(kind)  # the numpy formatter widens integers to int64
             path_only = isinstance(value, Mapping) and value.get("bytes") is None
-            images.append(load_image(value, transform.mode, name if path_only else f"{name}: {where}"))
+            named = row_names(row) if row_names is not None else name
+            images.append(load_image(value, transform.mode, named if path_only else f"{named}: {where}"))
         try:
             return transform(images, labels)
         except ConfigError as exc:

@@ -374,3 +374,64 @@ def check_rows(dataset: datasets.Dataset, name: str) -> None:
     """
     if not len(dataset):
         raise ConfigError(f"{name} is empty (0 rows); expected at least one row")
+
+
+def row_name(path: str | os.PathLike[str], row: int) -> str:
+    """What to call row ``row`` (0-based) of the table `read_table` read from the file ``path``, in a message.
+
+    ``"line N"`` for a JSON lines file (``.jsonl``, or a ``.json`` file of one object per line: its 1-based line,
+    blank lines counted, as an editor shows it); ``"item N of the JSON array"`` for a ``.json`` array; ``"row N"``
+    (1-based, the header not counted) for CSV, TSV and parquet. The file is read only when this is called (for an
+    error message).
+    """
+    path = Path(path).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in (".json", ".jsonl"):
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            if suffix == ".json" and f.read(1 << 12).removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"[":
+                return f"item {row + 1} of the JSON array"
+            f.seek(0)
+            seen = -1
+            for number, line in enumerate(f, start=1):
+                if line.removeprefix(b"\xef\xbb\xbf").strip():
+                    seen += 1
+                    if seen == row:
+                        return f"line {number}"
+    return f"row {row + 1}"
+
+
+def table_path(
+    value: Any, file: str | os.PathLike[str], row: int, column: str, setting: str, name: str, what: str
+) -> Path:
+    """One value of a path column of the table `read_table` read from ``file``, as the path of an existing file: a
+    relative path starts at ``file``'s folder, an absolute one is kept (``~`` expanded).
+
+    Args:
+        value: the value (a path as a string).
+        file (`str` or `os.PathLike`): the table's file.
+        row (`int`): the value's row (0-based), named in messages as `row_name` does (``line 3``).
+        column (`str`): the column, named in messages with ``setting`` (``image_column 'image'``).
+        setting (`str`): the setting that names the column.
+        name (`str`): what to call the table in messages (``"ImageClassificationData predict data"``).
+        what (`str`): what the files are (``"an image file"``), for the messages.
+
+    Returns:
+        `pathlib.Path`: the file, absolute when ``file`` is.
+
+    Raises:
+        ConfigError: the value is missing or no string, or the path does not exist or is no file (names ``file``,
+            the row, the path and what is valid).
+    """
+    file = Path(file).expanduser()
+    where = f"{name} path '{file}': {row_name(file, row)}: {setting} {column!r}"
+    expected = f"expected the path of {what}, absolute or relative to the file's folder '{file.parent}'"
+    if value is None or value == "":
+        raise ConfigError(f"{where} has no value; {expected}")
+    if not isinstance(value, str | os.PathLike):
+        raise ConfigError(f"{where} holds {_excerpt(repr(value).encode())}, of type {type(value).__name__}; {expected}")
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else file.parent / path
+    if not path.is_file():
+        state = "does not exist" if not path.exists() else "is not a file"
+        raise ConfigError(f"{where} names '{path}', which {state}; {expected}")
+    return path
