@@ -314,7 +314,7 @@ class Engine:
         """
         from torchloom.rundir.export_checkpoint import export_checkpoint
 
-        return export_checkpoint(self, task, checkpoint, directory)
+        return export_checkpoint(lambda: self._starter.bare("predict"), task, checkpoint, directory, self.run_config)
 
     def _weights(self, ckpt_path: str | os.PathLike[str] | None, command: str) -> tuple[str, str] | None:
         """What ``ckpt_path`` names (`torchloom.rundir.export.resolve_weights`; ``"best"`` by the ranking an enabled
