@@ -135,7 +135,7 @@ def test_bad_input_is_a_config_error():
 
 # ------------------------------------------------------------------- the core asks the plugins, knows none
 
-CORE_MEMORY = Path(__file__).resolve().parents[1] / "src" / "torchloom" / "memory.py"
+CORE_MEMORY = Path(__file__).resolve().parents[1] / "src" / "torchloom" / "tools" / "optimizer_memory.py"
 
 
 def test_core_holds_no_optimizer_names_or_settings():

@@ -178,6 +178,7 @@ class Checkpoint(torchloom.Plugin):
 
     name = "checkpoint"
     Config = CheckpointConfig
+    capabilities = frozenset({"outside_sweeps"})  # a throw-away sweep writes no checkpoints
 
     def __init__(self, config: CheckpointConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)
@@ -191,6 +192,8 @@ class Checkpoint(torchloom.Plugin):
         # the monitored name: logged or not, fresh at the saves or not (warns here if the mode reads wrong)
         monitor, mode = self.config.monitor, self.config.mode
         self._monitor = None if monitor is None else torchloom.Monitor(self.name, monitor, mode)
+        # what each checkpoint's manifest records, and ckpt_path="best" picks by (torchloom.Plugin)
+        self.checkpoint_ranking = None if monitor is None else (monitor, mode)
         self._completed = False  # on_train_end fired in this fit
         self._signal: int | None = None  # the first signal received in this fit
         self._previous_handlers: dict[int, Any] = {}

@@ -147,6 +147,7 @@ class EarlyStopping(torchloom.Plugin):
     """
 
     name = "early_stopping"
+    capabilities = frozenset({"outside_sweeps"})  # a throw-away sweep is not stopped by a validated value
     Config = EarlyStoppingConfig
 
     def __init__(self, config: EarlyStoppingConfig | None = None, **settings: Any) -> None:

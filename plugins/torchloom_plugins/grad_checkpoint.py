@@ -235,6 +235,7 @@ class GradientCheckpointing(torchloom.Plugin):
 
     name = "grad_checkpoint"
     Config = GradientCheckpointingConfig
+    capabilities = frozenset({"activation_checkpointing"})  # configure_model, from the settings alone
 
     def __init__(self, config: GradientCheckpointingConfig | None = None, **settings: Any) -> None:
         super().__init__(config, **settings)

@@ -463,6 +463,8 @@ class Peft(torchloom.Plugin):
 
     name = "peft"
     Config = PeftPluginConfig
+    # configure_model injects an adapter in place, from the settings alone; `merge` writes the merged model too
+    capabilities = frozenset({"adapter"})
     requires = ()  # nothing: it works alone
     conflicts = ()  # combines with every built-in plugin (see the composition notes)
 

@@ -143,6 +143,7 @@ class Trackers(torchloom.Plugin):
     """
 
     name = "trackers"
+    capabilities = frozenset({"outside_sweeps"})  # a throw-away sweep logs to no tracker
     Config = TrackersConfig
 
     def __init__(self, config: TrackersConfig | None = None, **settings: Any) -> None:

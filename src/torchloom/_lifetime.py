@@ -1,5 +1,6 @@
 """The lifetime of one ``fit`` / ``validate`` / ``predict`` call: ``setup``, the run directory, the run built (or the
-last fit's reused), ``on_run_start``; then ``teardown`` whatever happens.
+last fit's reused), ``on_run_start``; then ``teardown`` whatever happens. ``export`` goes through the same
+``setup``, accelerator, thread count and ``teardown`` (`RunStarter.bare`), without a run directory or data.
 
 A failure during set-up (building the run, or loading the checkpoint a fit resumes from) removes the call's run
 directory, since nothing was trained or written there, and fires ``teardown`` alone before it propagates.
@@ -45,14 +46,12 @@ class RunStarter:
         (``validate`` / ``predict`` of the same task without a datamodule). A failure after ``setup`` removes the
         run directory and fires ``teardown`` before it propagates."""
         engine, run = self._engine, self.run
-        cfg = engine.config.for_run()  # a fast_dev_run's one epoch, no sanity pass, no saved model
-        self._threads_before = apply_num_threads(cfg.num_threads)  # before anything is built; undone by end()
         if stage == "fit" or run is None or getattr(task, "model", None) is not run.model or datamodule is not None:
-            run, relay = None, engine_relay(engine.plugins, DefaultTrainStep(), self._metrics_file)
+            run, relay = None, self._relay()
             engine.logs.clear()  # nothing logged by an earlier (failed) run leaks into this one
         else:
             relay = run.relay
-        relay.call("setup", config=cfg, stage=stage)
+        cfg = self._setup(relay, stage)
         accelerator, run_dir = (run.accelerator if run is not None else None), None
         try:
             accelerator = accelerator or build_accelerator(relay, cfg)
@@ -79,6 +78,43 @@ class RunStarter:
             relay.call_cleanup("teardown", exc, accelerator=accelerator, stage=stage)  # teardown always runs
             self._restore_threads()
             raise
+
+    @contextlib.contextmanager
+    def bare(self, stage: str) -> Iterator[tuple[Any, Any, Any]]:
+        """A call that builds no run (``Engine.export``): ``setup``, the thread count and the accelerator as `start`
+        sets them up, yielded as ``(config, relay, accelerator)``; no run directory, data or ``on_run_start``. Then
+        ``teardown`` whatever happens, as `end` fires it (a clean-up failure of a call that succeeded is raised)."""
+        relay = self._relay()
+        cfg = self._setup(relay, stage)
+        accelerator, error = None, None
+        try:
+            accelerator = build_accelerator(relay, cfg)
+            yield cfg, relay, accelerator
+        except BaseException as exc:
+            note_run_failed()
+            error = exc
+            raise
+        finally:
+            self._teardown(relay, accelerator, stage, error)
+
+    def _relay(self) -> Any:
+        """A new call's hook relay: the engine's plugins, the default step and the metrics file."""
+        return engine_relay(self._engine.plugins, DefaultTrainStep(), self._metrics_file)
+
+    def _setup(self, relay: Any, stage: str) -> Any:
+        """The call's settings (a fast_dev_run's one epoch, no sanity pass, no saved model), its thread count set
+        before anything is built (undone by the teardown), and ``setup`` fired."""
+        cfg = self._engine.config.for_run()
+        self._threads_before = apply_num_threads(cfg.num_threads)
+        relay.call("setup", config=cfg, stage=stage)
+        return cfg
+
+    def _teardown(self, relay: Any, accelerator: Any, stage: str, error: BaseException | None) -> None:
+        """Fire ``teardown`` and restore the thread count; raise a clean-up failure of a call that succeeded."""
+        failure = relay.call_cleanup("teardown", error, accelerator=accelerator, stage=stage)
+        self._restore_threads()
+        if failure is not None and failure is not error:
+            raise failure
 
     def set_up(self, run: Run, stage: str, step: Callable[..., T], *args: Any) -> T:
         """Run ``step(*args)`` as part of the set-up of ``run`` (a fit's resume): if it fails, the run directory is

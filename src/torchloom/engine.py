@@ -221,12 +221,13 @@ class Engine:
                 ``setup`` and before ``on_validation_start``), as Lightning's ``trainer.validate(ckpt_path=...)``:
                 what ``predict``'s ``ckpt_path`` may name (a checkpoint, an exported model, a run directory, an
                 ``output_dir``), or ``"last"`` / ``"best"``: the latest checkpoint of the engine's ``output_dir``,
-                or the one with the best value of the ``checkpoint`` plugin's ``monitor``. ``weights_from`` then
-                holds what was loaded.
+                or the one with the best value of the ``checkpoint`` plugin's ``monitor`` (without that plugin's
+                ``monitor``, the one the checkpoints recorded in their manifests). ``weights_from`` then holds what
+                was loaded.
 
         Raises:
             ConfigError: no validation data, or a task without ``validation_step``; ``ckpt_path`` does not exist,
-                or is ``"best"`` without a ``checkpoint`` plugin ``monitor``.
+                or is ``"best"`` without a ``checkpoint`` plugin ``monitor`` and with checkpoints that record none.
             CheckpointError: ``ckpt_path`` holds no weights (the message says what it may name), a checkpoint
                 whose files do not match its manifest, or weights that do not fit the model.
         """
@@ -268,13 +269,14 @@ class Engine:
                 ``save_pretrained`` writes, or a ``.safetensors`` file; loaded with `TaskModule.load_model`), a run
                 directory (its ``model/`` when the fit saved one, else its latest checkpoint), an ``output_dir``
                 (its latest checkpoint), or ``"last"`` / ``"best"`` (the latest checkpoint of the engine's
-                ``output_dir``, or the one with the best value of the ``checkpoint`` plugin's ``monitor``). Only
+                ``output_dir``, or the one with the best value of the ``checkpoint`` plugin's ``monitor``, else of
+                the monitor the checkpoints recorded in their manifests). Only
                 safetensors are read. ``weights_from`` then holds what was loaded.
 
         Raises:
             ConfigError: no prediction data; ``ckpt_path`` does not exist, an exported model whose weight files are
                 not safetensors or are damaged (named before anything loads), or one that does not fit; ``"best"``
-                without a ``checkpoint`` plugin ``monitor``.
+                without a ``checkpoint`` plugin ``monitor`` and with checkpoints that record none.
             CheckpointError: ``ckpt_path`` holds no weights (the message says what it may name), a checkpoint
                 changed since it was written, or weights that do not fit the model (keys or shapes).
         """
@@ -312,23 +314,23 @@ class Engine:
         """
         from torchloom.rundir.export_checkpoint import export_checkpoint
 
-        return export_checkpoint(self, task, checkpoint, directory)
+        return export_checkpoint(lambda: self._starter.bare("predict"), task, checkpoint, directory, self.run_config)
 
     def _weights(self, ckpt_path: str | os.PathLike[str] | None, command: str) -> tuple[str, str] | None:
-        """What ``ckpt_path`` names (`torchloom.rundir.export.resolve_weights`; ``"best"`` by the ``checkpoint``
-        plugin's ``monitor`` and ``mode``), kept in ``weights_from``."""
+        """What ``ckpt_path`` names (`torchloom.rundir.export.resolve_weights`; ``"best"`` by the ranking an enabled
+        plugin declares, ``checkpoint_ranking``, else by the one the checkpoints recorded), kept in ``weights_from``."""
+        from torchloom.checkpoint.manifest import ranking
         from torchloom.rundir.export import resolve_weights
 
         weights = None
         if ckpt_path is not None:
-            checkpoint = next((p for p in self.plugins if plugin_name(p) == "checkpoint"), None)
-            config = getattr(checkpoint, "config", None)
+            declared = ranking(self.plugins) or {}
             weights = resolve_weights(
                 ckpt_path,
                 command,
                 output_dir=self.config.output_dir,
-                monitor=getattr(config, "monitor", None),
-                mode=getattr(config, "mode", "min"),
+                monitor=declared.get("monitor"),
+                mode=declared.get("mode", "min"),
             )
         self.weights_from = weights
         return weights

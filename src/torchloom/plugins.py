@@ -35,8 +35,10 @@ __all__ = [
     "Plugin",
     "PluginInfo",
     "build_config",
+    "capability_of",
     "enable_plugins",
     "installed_plugins",
+    "plugins_with",
 ]
 
 ENTRY_POINT_GROUP = "torchloom.plugins"
@@ -72,6 +74,16 @@ class Plugin:
         divergent_replicas (`bool`): ``True`` when the plugin lets the processes' parameters and optimizer states
             differ at a checkpoint (``local_sgd`` between two averages): a checkpoint of several processes then
             holds each process's own (``engine/process_<rank>/replica.*``), and each process resumes from its own.
+        capabilities (`frozenset[str]`): what the plugin declares it does, so that the parts of torchloom that
+            must know (the memory estimate, ``torchloom export``, ``torchloom tune-lr``) ask for a capability and
+            never for a plugin's name (`plugins_with`); ``docs/writing-plugins.md`` says what each one promises:
+            ``"activation_checkpointing"`` and ``"adapter"`` (what its ``configure_model`` does to the model, from
+            its settings alone: the memory estimate applies it; an adapter's ``merge`` setting is what ``torchloom
+            export --merge`` turns on), ``"outside_sweeps"`` (``torchloom tune-lr``'s sweep leaves it out).
+        checkpoint_ranking (`tuple[str, str]` or ``None``): ``(monitor, mode)`` when the plugin ranks the run's
+            checkpoints by a logged value (the ``checkpoint`` plugin's ``monitor`` and ``mode``); set it on the object
+            from the settings. Each checkpoint's ``manifest.json`` records it (``"ranking": {"monitor", "mode"}``),
+            and ``ckpt_path="best"`` picks by the enabled plugins' ranking, else by the one the checkpoints recorded.
 
     Args:
         config (`Config`, *optional*): ready-made settings; otherwise built from ``settings``.
@@ -87,6 +99,8 @@ class Plugin:
     conflicts: ClassVar[tuple[str, ...]] = ()
     inactive_hooks: frozenset[str] = frozenset()
     divergent_replicas: ClassVar[bool] = False
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    checkpoint_ranking: tuple[str, str] | None = None
 
     def __init__(self, config: Any = None, **settings: Any) -> None:
         if config is not None and settings:
@@ -228,6 +242,30 @@ def find_plugin(name: str, installed: Mapping[str, list[PluginInfo]] | None = No
         who = " and ".join(f"{r.distribution} {r.version} ({r.value})" for r in registrations)
         raise PluginError(f"plugin name {name!r} is registered by two distributions: {who}; uninstall one")
     return registrations[0]
+
+
+def capability_of(plugin: Any, capability: str) -> bool:
+    """Whether ``plugin`` (a plugin class or object) declares ``capability`` (``Plugin.capabilities``)."""
+    return capability in (getattr(plugin, "capabilities", None) or ())
+
+
+def plugins_with(capability: str, names: Iterable[str] | None = None) -> list[tuple[str, Any]]:
+    """The installed plugins that declare ``capability`` (``Plugin.capabilities``), as ``(name, object the entry
+    point names)``: among ``names`` when given (those not installed left out), else among all installed ones, each
+    imported. One of ``names`` that fails to import raises its `PluginError`; one of all the others is skipped."""
+    installed = installed_plugins()
+    asked = sorted(installed) if names is None else [n for n in dict.fromkeys(names) if n in installed]
+    found = []
+    for name in asked:
+        try:
+            obj = find_plugin(name, installed).load()
+        except PluginError:
+            if names is not None:
+                raise
+            continue
+        if capability_of(obj, capability):
+            found.append((name, obj))
+    return found
 
 
 # --------------------------------------------------------------------------------------------- enabling

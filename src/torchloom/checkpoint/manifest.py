@@ -22,7 +22,17 @@ from torchloom.errors import CheckpointError
 from torchloom.rundir import atomic
 from torchloom.rundir.adapter_format import describe
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "file_entries", "manifest_base", "publish", "read_manifest", "verify_files"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "VERSION",
+    "file_entries",
+    "manifest_base",
+    "publish",
+    "ranking",
+    "read_manifest",
+    "verify_files",
+]
 
 #: Version 2: the data position in samples of the global order with what defines that order, and the random
 #: states in the process's engine state (no pickle). Version 3: each file's checksum is its XXH3-128 (``xxh3_128``,
@@ -103,8 +113,11 @@ def manifest_base(
     engine_state: dict[str, Any],
     metrics: Mapping[str, float],
     training: Mapping[str, Any] | None,
+    plugins: Iterable[Any] = (),
 ) -> dict[str, Any]:
-    """The manifest of a checkpoint of this state, but its ``files`` and ``plugins`` (`publish` adds them)."""
+    """The manifest of a checkpoint of this state, but its ``files`` and ``plugins`` (`publish` adds them).
+
+    ``ranking``: how the enabled ``plugins`` rank the checkpoints (`ranking`), which ``ckpt_path="best"`` reads."""
     from torchloom._version import __version__
 
     unwrapped = accelerator.unwrap_model(model)
@@ -127,8 +140,20 @@ def manifest_base(
         "adapter": describe(unwrapped),
         "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
         "metrics": {k: v for k, v in metrics.items()},
+        "ranking": ranking(plugins),
         "training": dict(training or {}),
     }
+
+
+def ranking(plugins: Iterable[Any]) -> dict[str, str] | None:
+    """``{"monitor", "mode"}``: the first of ``plugins`` to declare a ``checkpoint_ranking`` (`torchloom.Plugin`: the
+    logged value that ranks the checkpoints, and whether lower or higher is better); ``None`` when none does."""
+    for plugin in plugins:
+        declared = getattr(plugin, "checkpoint_ranking", None)
+        if declared is not None:
+            monitor, mode = declared
+            return {"monitor": str(monitor), "mode": str(mode)}
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- reading

@@ -148,7 +148,7 @@ class SaveRequest:
         """The manifest of the checkpoint, but its ``files`` and ``plugins``
         (`torchloom.checkpoint.manifest.manifest_base`)."""
         return manifest_base(
-            self.accelerator, self.model, self.optimizer, self.engine_state, self.metrics, self.training
+            self.accelerator, self.model, self.optimizer, self.engine_state, self.metrics, self.training, self.plugins
         )
 
 

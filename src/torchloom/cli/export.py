@@ -56,13 +56,17 @@ def run(parser: Any, cfg: Any) -> int:
     put_config_dir_on_path(["--config", config])
     run_cfg, _ = load_run_config(parser, ["predict", "--config", config], "predict", [])
     plugins = run_cfg["predict"].plugins
-    if cfg.merge:
-        if "peft" not in plugins:
+    if cfg.merge:  # the merge setting of the plugin that injects the adapter (its declared capability)
+        from torchloom.plugins import plugins_with
+
+        adapters = [name for name, _ in plugins_with("adapter", [n for n in plugins if isinstance(n, str)])]
+        if not adapters:
             raise ConfigError(
                 f"export: --merge merges an adapter into its base, and the run config {config!r} enables no 'peft' "
-                "plugin; drop --merge"
+                "plugin (none that declares the capability 'adapter'); drop --merge"
             )
-        plugins["peft"] = {**(plugins["peft"] or {}), "merge": True}
+        for name in adapters:
+            plugins[name] = {**(plugins[name] or {}), "merge": True}
     engine, task, _ = prepare(parser, run_cfg, "predict")
     out = engine.export(task, checkpoint, cfg.out)
     print(f"torchloom export: model of checkpoint {checkpoint} in {out}")

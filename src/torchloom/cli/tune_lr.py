@@ -38,8 +38,9 @@ HELP = "find a learning rate: an exponential sweep of the config's task (a throw
 #: The rule of the suggestion, as the command prints and lr_find.json records it.
 RULE = "steepest descent of the smoothed loss (argmin of its gradient, the first 10 and the last 1 points left out)"
 SKIP_BEGIN, SKIP_END = 10, 1
-#: Plugins that would write into or act on the user's runs; a sweep leaves them out.
-LEFT_OUT = ("checkpoint", "early_stopping", "trackers")
+#: The capability (`torchloom.Plugin`'s ``capabilities``) of the plugins that would write into or act on the user's
+#: runs (the checkpoint, early_stopping and trackers plugins declare it); a sweep leaves them out.
+LEFT_OUT = "outside_sweeps"
 
 
 def add_arguments(sub: Any) -> None:
@@ -155,17 +156,19 @@ def run(parser: Any, cfg: Any) -> int:
 
 
 def _kept(plugins: Any) -> Any:
-    """The config's plugins without `LEFT_OUT`."""
+    """The config's plugins without those that declare `LEFT_OUT`."""
+    from torchloom.plugins import plugins_with
+
     if plugins is None:
         return []
     if isinstance(plugins, Mapping):
-        return [{name: settings} for name, settings in plugins.items() if name not in LEFT_OUT]
-    kept = []
-    for item in plugins:
-        name = item if isinstance(item, str) else next(iter(item)) if isinstance(item, Mapping) else None
-        if name not in LEFT_OUT:
-            kept.append(item)
-    return kept
+        left_out = {name for name, _ in plugins_with(LEFT_OUT, [n for n in plugins if isinstance(n, str)])}
+        return [{name: settings} for name, settings in plugins.items() if name not in left_out]
+    named = [
+        item if isinstance(item, str) else next(iter(item)) if isinstance(item, Mapping) else None for item in plugins
+    ]
+    left_out = {name for name, _ in plugins_with(LEFT_OUT, [n for n in named if isinstance(n, str)])}
+    return [item for item, name in zip(plugins, named) if name not in left_out]
 
 
 def _write(run_dir: str, lrs: list[float], sweep: LRSweep, suggestion: float | None, options: Any) -> list[str]:

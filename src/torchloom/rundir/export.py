@@ -12,7 +12,7 @@ Weights are read from safetensors files only (their header is JSON; their data i
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -143,9 +143,11 @@ def resolve_weights(
     """Resolve ``validate``'s or ``predict``'s ``ckpt_path`` to ``("checkpoint" | "model", path)``.
 
     - ``"last"``: the latest complete checkpoint of ``output_dir``'s runs (`list_checkpoints`' order: by run, then
-      by step); ``"best"``: the one whose manifest recorded the best value of ``monitor`` (the ``checkpoint``
-      plugin's), lowest or highest by ``mode``, an earlier one on a tie, NaN never (`torchloom.Monitor.is_better`);
-      a directory of that name is ``./last``;
+      by step); ``"best"``: the one whose manifest recorded the best value of ``monitor``, lowest or highest by
+      ``mode``, an earlier one on a tie, NaN never (`torchloom.Monitor.is_better`); ``monitor`` and ``mode`` are the
+      enabled plugins' ``checkpoint_ranking`` (`torchloom.Plugin`: the ``checkpoint`` plugin's) when given, else the
+      ranking the newest checkpoint that records one recorded in its manifest (``"ranking"``); a directory of that
+      name is ``./last``;
     - a checkpoint directory (with ``manifest.json``): itself, its files checked against the manifest;
     - an exported model (``model.safetensors`` or ``model.safetensors.index.json``; or an adapter in peft's format,
       ``adapter_config.json`` and ``adapter_model.safetensors``), or a ``.safetensors`` file:
@@ -155,7 +157,7 @@ def resolve_weights(
 
     Raises:
         ConfigError: ``path`` does not exist; an exported model whose weight files are not safetensors, damaged
-            or truncated; ``"best"`` without a ``monitor``.
+            or truncated; ``"best"`` without a ``monitor``, given or recorded by a checkpoint.
         CheckpointError: no weights there; an incomplete checkpoint or one whose files changed since it was saved;
             a checkpoint that a pick of the latest (``"last"``, a run directory, an ``output_dir``) would take, or
             any for ``"best"``, is unusable (`torchloom.checkpoint.scan`: named with why, never skipped).
@@ -234,21 +236,30 @@ def _verified(checkpoint: str | os.PathLike[str], command: str, shown: str) -> s
 def _named_checkpoint(
     name: str, command: str, output_dir: str | os.PathLike[str] | None, monitor: str | None, mode: str
 ) -> str:
-    """The checkpoint ``"last"`` or ``"best"`` names among the runs of ``output_dir``."""
+    """The checkpoint ``"last"`` or ``"best"`` names among the runs of ``output_dir``; ``"best"`` by ``monitor`` and
+    ``mode`` when given, else by the ranking the newest checkpoint that records one recorded (`recorded_ranking`)."""
     from torchloom.checkpoint.scan import scan_checkpoints
     from torchloom.monitor import Monitor
 
     where = f"{command}: ckpt_path {name!r}"
     if output_dir is None:
         raise ConfigError(f"{where} names a checkpoint of the engine's output_dir, and none is known here")
-    if name == "best" and monitor is None:
-        raise ConfigError(
-            f"{where} is the checkpoint with the best value of the 'checkpoint' plugin's monitor, and it has none "
-            "(plugins: {checkpoint: {monitor: val/loss}}); name 'last' or a path: expected " + PREDICT_WEIGHTS
-        )
     root = Path(output_dir)
     # A "best" pick reads every manifest's value: any unreadable one may have been the best; "last": a newer one
     scan = scan_checkpoints(root)
+    whose = "the 'checkpoint' plugin's monitor"
+    if name == "best" and monitor is None:
+        recorded = recorded_ranking(manifest for _, manifest in scan.usable)
+        if recorded is None:
+            raise ConfigError(
+                f"{where} is the checkpoint with the best value of the 'checkpoint' plugin's monitor, and it has none "
+                "(plugins: {checkpoint: {monitor: val/loss}}), nor does any checkpoint of the output_dir "
+                f"{os.fspath(output_dir)!r} record the monitor it was ranked by (manifest.json's ranking: written by a "
+                "run without a monitor, or before checkpoints recorded it); name 'last' or a path: expected "
+                + PREDICT_WEIGHTS
+            )
+        monitor, mode = recorded
+        whose = "the monitor its newest ranked checkpoint recorded"
     hint = "; or name a checkpoint (ckpt_path PATH)"
     refusal = scan.refusal(where, newest_only=name == "last", hint=hint)
     if refusal is not None:
@@ -270,10 +281,22 @@ def _named_checkpoint(
             best = (float(value), candidate)
     if best is None:
         raise CheckpointError(
-            f"{where}: no checkpoint of the output_dir {os.fspath(output_dir)!r} recorded a value of {monitor!r} (the "
-            f"'checkpoint' plugin's monitor); name 'last' or a path: expected {PREDICT_WEIGHTS}"
+            f"{where}: no checkpoint of the output_dir {os.fspath(output_dir)!r} recorded a value of {monitor!r} "
+            f"({whose}); name 'last' or a path: expected {PREDICT_WEIGHTS}"
         )
     return str(best[1])
+
+
+def recorded_ranking(manifests: Iterable[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """``(monitor, mode)`` as the newest of ``manifests`` (oldest first) that records a ranking recorded it
+    (``"ranking"``, `torchloom.checkpoint.manifest.ranking`); ``None`` when none does (checkpoints of a run without a
+    monitor, or written before manifests recorded it)."""
+    for manifest in reversed(list(manifests)):
+        ranking = manifest.get("ranking")
+        if isinstance(ranking, Mapping) and isinstance(ranking.get("monitor"), str):
+            mode = ranking.get("mode")
+            return ranking["monitor"], mode if isinstance(mode, str) else "min"
+    return None
 
 
 def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:

@@ -15,23 +15,21 @@ Nothing is loaded from a checkpoint whose manifest does not verify (`torchloom.c
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import yaml
 from accelerate.utils import set_seed
 
-from torchloom._accelerator import build_accelerator
-from torchloom._default_step import DefaultTrainStep
 from torchloom._guards import check_model
-from torchloom._setup import engine_relay
 from torchloom._strict_json import json_dumps
 from torchloom.checkpoint.store import MANIFEST, read_manifest, verify_files
 from torchloom.errors import CheckpointError, ConfigError, RunFileError
 from torchloom.rundir.adapter_format import describe, resume_problems
 from torchloom.rundir.atomic import atomic_directory, remove_orphans, write_failure
 from torchloom.rundir.export import MODEL_CARD, load_weights, model_card
-from torchloom.rundir.runfiles import MetricsFile
 
 __all__ = ["export_checkpoint"]
 
@@ -42,10 +40,16 @@ IN_PROGRESS = ".torchloom-export-in-progress"
 
 
 def export_checkpoint(
-    engine: Any, task: Any, checkpoint: str | os.PathLike[str], directory: str | os.PathLike[str]
+    start: Callable[[], AbstractContextManager[tuple[Any, Any, Any]]],
+    task: Any,
+    checkpoint: str | os.PathLike[str],
+    directory: str | os.PathLike[str],
+    run_config: Any = None,
 ) -> str:
     """Write the model of ``checkpoint`` into the new directory ``directory`` (see the module docstring), with
-    ``engine``'s settings and plugins and ``task``'s model; return ``directory``.
+    ``task``'s model; return ``directory``. ``start()``: the engine's call without a run (`RunStarter.bare`: its
+    ``setup``, settings, plugins and accelerator, then ``teardown``); ``run_config``: the engine's, the model card's
+    config when the checkpoint's run directory has no ``config.yaml``.
 
     Raises:
         ConfigError: ``checkpoint`` does not exist; ``directory`` exists and is not an empty directory; more than
@@ -72,12 +76,7 @@ def export_checkpoint(
     out = Path(directory)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"export: OUT {os.fspath(directory)!r} exists; expected a new (or empty) directory")
-    config = engine.config.for_run()
-    relay = engine_relay(engine.plugins, DefaultTrainStep(), MetricsFile())
-    relay.call("setup", config=config, stage="predict")
-    accelerator, error = None, None
-    try:
-        accelerator = build_accelerator(relay, config)
+    with start() as (config, relay, accelerator):
         if accelerator.num_processes > 1:
             raise ConfigError(f"export: runs on one process, not {accelerator.num_processes}; run it without torchrun")
         if config.seed is not None:
@@ -91,7 +90,7 @@ def export_checkpoint(
         load_weights(model, "checkpoint", str(root))
         card = model_card(
             model,
-            _run_config(root, engine),
+            _run_config(root, run_config),
             manifest.get("metrics") or {},
             manifest.get("global_step"),
             manifest.get("epoch"),
@@ -114,19 +113,12 @@ def export_checkpoint(
                 f"export: cannot write the model of checkpoint {shown!r} to {os.fspath(directory)!r}: {reason}; "
                 "nothing was left there"
             ) from exc
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        failure = relay.call_cleanup("teardown", error, accelerator=accelerator, stage="predict")
-        if failure is not None and failure is not error:
-            raise failure
     return str(out)
 
 
-def _run_config(checkpoint: Path, engine: Any) -> Any:
+def _run_config(checkpoint: Path, run_config: Any) -> Any:
     """The resolved config of the checkpoint's run (its ``config.yaml``), else the engine's ``run_config``."""
     try:
         return yaml.safe_load((checkpoint.parent.parent / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
-        return engine.run_config
+        return run_config

@@ -68,7 +68,7 @@ import torch
 
 from torchloom._bytes import format_bytes, parse_bytes
 from torchloom.errors import ConfigError
-from torchloom.tools.memory_source import CHECKPOINT_PLUGIN, ForwardFn, load_source, quantization_state_bytes
+from torchloom.tools.memory_source import ForwardFn, load_source, quantization_state_bytes
 from torchloom.tools.memory_trace import trace_activations
 from torchloom.tools.optimizer_memory import _installed_estimators, estimate_optimizer_memory
 
@@ -479,6 +479,6 @@ def _checkpoint_settings(grad_checkpoint: Any, from_config: dict[str, Any] | Non
     if isinstance(grad_checkpoint, Mapping):
         return dict(grad_checkpoint)
     raise ConfigError(
-        f"grad_checkpoint = {grad_checkpoint!r}; expected True, False or the {CHECKPOINT_PLUGIN} plugin's "
+        f"grad_checkpoint = {grad_checkpoint!r}; expected True, False or the grad_checkpoint plugin's "
         "settings (e.g. {'modules': ['Block']})"
     )

@@ -17,20 +17,23 @@ from torchloom._suggest import closest_name
 from torchloom.errors import ConfigError, TorchloomError
 
 __all__ = [
-    "ADAPTER_PLUGIN",
-    "CHECKPOINT_PLUGIN",
+    "ADAPTER",
+    "CHECKPOINTING",
     "ForwardFn",
     "Source",
+    "capable_plugin",
     "construct",
     "fake_copy",
     "load_source",
     "quantization_state_bytes",
 ]
 
-#: The plugin whose ``configure_model`` enables activation checkpointing in the checkpointed rows.
-CHECKPOINT_PLUGIN = "grad_checkpoint"
-#: The plugin whose ``configure_model`` injects an adapter (LoRA, QLoRA: on a 4-bit / 8-bit base) into the model.
-ADAPTER_PLUGIN = "peft"
+#: The capability (`torchloom.Plugin`'s ``capabilities``) of the plugin whose ``configure_model`` enables activation
+#: checkpointing in the checkpointed rows (the ``grad_checkpoint`` plugin declares it).
+CHECKPOINTING = "activation_checkpointing"
+#: The capability of the plugin whose ``configure_model`` injects an adapter (LoRA, QLoRA: on a 4-bit / 8-bit base)
+#: into the model (the ``peft`` plugin declares it).
+ADAPTER = "adapter"
 
 ForwardFn = Callable[[torch.nn.Module, int, "int | None"], torch.Tensor]
 
@@ -46,6 +49,33 @@ class Source:
     max_len: int | None = None
     needs_seq_len: bool = False
     checkpoint_settings: dict[str, Any] | None = None
+    #: The plugin that checkpoints activations (`CHECKPOINTING`): a run config's, else found when first needed.
+    checkpoint_plugin: str | None = None
+
+
+def capable_plugin(capability: str, names: Any = None, caller: str = "estimate_memory") -> str | None:
+    """The name of the plugin that declares ``capability`` (`torchloom.plugins.plugins_with`): among ``names`` (a
+    run config's plugins) when given, ``None`` when none of them does; else among the installed ones.
+
+    Raises:
+        PluginError: no installed plugin declares it (``names`` not given), or a plugin of ``names`` fails to import.
+        ConfigError: several do.
+    """
+    from torchloom.errors import PluginError
+    from torchloom.plugins import plugins_with
+
+    found = [name for name, _ in plugins_with(capability, names)]
+    if len(found) > 1:
+        raise ConfigError(
+            f"{caller}: plugins {', '.join(map(repr, found))} all declare the capability {capability!r}; "
+            "expected one (enable one of them in the run config, or limit the installed ones with TORCHLOOM_PLUGINS)"
+        )
+    if not found and names is None:
+        raise PluginError(
+            f"{caller}: no installed plugin declares the capability {capability!r} (torchloom.Plugin.capabilities: "
+            "the torchloom_plugins distribution's plugins do), or TORCHLOOM_PLUGINS leaves it out"
+        )
+    return found[0] if found else None
 
 
 def load_source(
@@ -68,11 +98,12 @@ def load_source(
     """
     if not (peft is None or isinstance(peft, bool | Mapping)):
         raise ConfigError(
-            f"peft = {peft!r}; expected the {ADAPTER_PLUGIN} plugin's settings (e.g. {{'r': 8, 'load_in_4bit': "
+            f"peft = {peft!r}; expected the peft plugin's settings (e.g. {{'r': 8, 'load_in_4bit': "
             "True}), True (a run config's) or False (no adapter)"
         )
-    checkpoint_settings = None
+    checkpoint_settings = checkpoint_plugin = None
     adapter_settings: dict[str, Any] | None = None
+    adapter_plugin: str | None = None
     if isinstance(model, str | os.PathLike):
         path = os.fspath(model)
         if not os.path.exists(path):
@@ -81,7 +112,9 @@ def load_source(
                 "a transformers config (.json) or a torchloom run config (.yaml)"
             )
         if path.endswith((".yaml", ".yml")) and os.path.isfile(path):
-            built, checkpoint_settings, adapter_settings = _from_run_config(path, mode)
+            built, (checkpoint_plugin, checkpoint_settings), (adapter_plugin, adapter_settings) = _from_run_config(
+                path, mode
+            )
         else:
             built = _build_hf(_read_hf_config(path), architecture, mode, caller)
     elif _is_hf_config(model):
@@ -102,22 +135,25 @@ def load_source(
     elif peft is False:
         adapter_settings = None
     if adapter_settings is not None:
-        built = with_adapter(built, adapter_settings)
+        built = with_adapter(built, adapter_settings, adapter_plugin)
     prototype = fake_copy(built, mode)
     label = type(built).__name__
     if forward is not None:
         if not callable(forward):
             raise ConfigError(f"forward = {forward!r}; expected a callable (model, batch_size, seq_len) -> loss")
-        return Source(
+        source = Source(
             label, prototype, lambda m, _batch, b, s: forward(m, b, s), checkpoint_settings=checkpoint_settings
         )
-    config = getattr(prototype, "config", None)
-    if not _is_hf_model(prototype) or not _is_hf_config(config):
-        raise ConfigError(
-            f"{caller}: {label} is not a transformers model, so its inputs are unknown; pass "
-            f"forward=lambda model, batch_size, seq_len: <loss> (Python API: torchloom.{caller})"
-        )
-    return _hf_source(label, prototype, config, checkpoint_settings, caller)
+    else:
+        config = getattr(prototype, "config", None)
+        if not _is_hf_model(prototype) or not _is_hf_config(config):
+            raise ConfigError(
+                f"{caller}: {label} is not a transformers model, so its inputs are unknown; pass "
+                f"forward=lambda model, batch_size, seq_len: <loss> (Python API: torchloom.{caller})"
+            )
+        source = _hf_source(label, prototype, config, checkpoint_settings, caller)
+    source.checkpoint_plugin = checkpoint_plugin
+    return source
 
 
 def _is_hf_config(obj: Any) -> bool:
@@ -260,9 +296,13 @@ def _hf_source(
     )
 
 
-def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, dict[str, Any] | None, dict[str, Any] | None]:
-    """Build the model of a run config's task (its ``configure_model``, on fake tensors) and read its
-    ``grad_checkpoint`` and ``peft`` plugins' settings."""
+_Named = tuple[str | None, dict[str, Any] | None]
+
+
+def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, _Named, _Named]:
+    """Build the model of a run config's task (its ``configure_model``, on fake tensors) and read the name and
+    settings of the plugins it enables that checkpoint activations (`CHECKPOINTING`) and inject an adapter
+    (`ADAPTER`): ``(None, None)`` for one it does not enable."""
     import yaml
 
     try:
@@ -295,12 +335,16 @@ def _from_run_config(path: str, mode: Any) -> tuple[torch.nn.Module, dict[str, A
             f"run config {path!r}: {type(task).__name__}.configure_model returned {type(built).__name__}; "
             "expected a torch.nn.Module"
         )
-    plugins = config.get("plugins")
-    return built, _plugin_settings(plugins, CHECKPOINT_PLUGIN), _plugin_settings(plugins, ADAPTER_PLUGIN)
+    plugins = _plugin_entries(config.get("plugins"))
+    named = []
+    for capability in (CHECKPOINTING, ADAPTER):
+        name = capable_plugin(capability, [key for key, _ in plugins if isinstance(key, str)])
+        named.append((name, next(dict(value or {}) for key, value in plugins if key == name) if name else None))
+    return built, named[0], named[1]
 
 
-def _plugin_settings(section: Any, name: str) -> dict[str, Any] | None:
-    """The settings a run config's ``plugins`` section gives plugin ``name`` (``{}`` if enabled without any)."""
+def _plugin_entries(section: Any) -> list[tuple[Any, Any]]:
+    """A run config's ``plugins`` section as ``(name, settings)`` pairs (settings ``None`` if enabled without any)."""
     entries: list[Any] = list(section.items()) if isinstance(section, Mapping) else []
     if isinstance(section, list):
         for entry in section:
@@ -308,10 +352,7 @@ def _plugin_settings(section: Any, name: str) -> dict[str, Any] | None:
                 entries.append((entry, None))
             elif isinstance(entry, Mapping):
                 entries.extend(entry.items())
-    for key, value in entries:
-        if key == name:
-            return dict(value or {})
-    return None
+    return entries
 
 
 def _torchloom_error_in(exc: BaseException) -> TorchloomError | None:
@@ -338,19 +379,22 @@ def construct(build: Callable[[], Any], mode: Any) -> Any:
             return build()
 
 
-def with_adapter(model: torch.nn.Module, settings: Mapping[str, Any]) -> torch.nn.Module:
-    """A ``meta`` copy of ``model`` after the ``peft`` plugin's ``configure_model`` ran on it with ``settings``, as at
+def with_adapter(model: torch.nn.Module, settings: Mapping[str, Any], plugin: str | None = None) -> torch.nn.Module:
+    """A ``meta`` copy of ``model`` after the adapter plugin's ``configure_model`` ran on it with ``settings``, as at
     run set-up: the base quantised as the plugin quantises it, the adapter injected, only the adapter (and
     ``modules_to_save``) trainable. ``model`` is not changed. On ``meta`` bitsandbytes leaves a quantised layer's
     weight unquantised (it quantises when the weight moves to a device); `fake_copy` quantises it on fake tensors.
+    The plugin is ``plugin`` (a run config's), else the installed one that declares `ADAPTER` (the ``peft`` plugin).
 
     Raises:
         ConfigError: a bad setting, or a model the plugin cannot adapt (the plugin's one-line message).
-        PluginError: the ``peft`` plugin is not installed.
+        PluginError: no installed plugin declares `ADAPTER`.
     """
     from torchloom.plugins import HookRelay, enable_plugins
 
-    plugins = enable_plugins({ADAPTER_PLUGIN: dict(settings)})  # validates the settings: the plugin's ConfigError
+    name = plugin or capable_plugin(ADAPTER)
+    assert name is not None  # among the installed ones: found, or raised
+    plugins = enable_plugins({name: dict(settings)})  # validates the settings: the plugin's ConfigError
     adapted = meta_copy(model)
     HookRelay(plugins).call("configure_model", model=adapted, task=None, accelerator=None)
     return adapted

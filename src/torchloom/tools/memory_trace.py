@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchloom.errors import ConfigError, TorchloomError
 from torchloom.plugins import HookRelay, enable_plugins
-from torchloom.tools.memory_source import CHECKPOINT_PLUGIN, Source, fake_copy
+from torchloom.tools.memory_source import CHECKPOINTING, Source, capable_plugin, fake_copy
 
 __all__ = ["trace_activations"]
 
@@ -95,7 +95,10 @@ def trace_activations(
     with mode:
         model = fake_copy(source.prototype, mode)
         if checkpoint is not None:
-            HookRelay(enable_plugins({CHECKPOINT_PLUGIN: checkpoint})).call(
+            if source.checkpoint_plugin is None:  # the installed plugin that checkpoints activations, asked once
+                source.checkpoint_plugin = capable_plugin(CHECKPOINTING)
+            assert source.checkpoint_plugin is not None  # among the installed ones: found, or raised
+            HookRelay(enable_plugins({source.checkpoint_plugin: checkpoint})).call(
                 "configure_model", model=model, task=None, accelerator=None
             )
         model.train()
