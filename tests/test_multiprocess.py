@@ -216,7 +216,9 @@ def test_a_launch_that_hangs_fails_and_leaves_no_process_behind(tmp_path):
     import psutil
 
     with pytest.raises(AssertionError) as info:
-        torchrun("hang.py", tmp_path, nproc=2, timeout=20)
+        # the 20 s count from when both workers run (a busy machine may take longer than that to start them)
+        both = (tmp_path / "pid-0", tmp_path / "pid-1")
+        torchrun("hang.py", tmp_path, nproc=2, timeout=20, started=lambda: all(p.exists() for p in both))
     message = str(info.value)
     assert message.startswith("torchrun hang.py hung: still running after 20 s; the launcher and its 2 worker(s)")
     assert "rank 0 is waiting" in message and "rank 1 is waiting" in message

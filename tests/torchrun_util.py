@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,18 @@ def require_multiprocess_marker(what: str) -> None:
         raise AssertionError(f"{current_test.nodeid} starts {what}: mark it @pytest.mark.multiprocess")
 
 
-def torchrun(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: float = 240) -> list[Any]:
+#: The longest a launch may take to start when a test waits for it (``torchrun(started=...)``).
+START_LIMIT = 300.0
+
+
+def torchrun(
+    script: str,
+    out_dir: Path,
+    *args: str,
+    nproc: int = 2,
+    timeout: float = 240,
+    started: Callable[[], bool] | None = None,
+) -> list[Any]:
     """Run ``tests/mp/<script>`` on ``nproc`` CPU processes; return the per-rank results, rank order.
 
     One launch, never retried: any failure (a rank that raised, a process killed by a signal, an abort at exit)
@@ -34,7 +47,9 @@ def torchrun(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: fl
     launches can race for one. A launch still running after ``timeout`` seconds is a hang: the launcher and every
     process it started are killed (torchrun starts each worker in a session of its own, so ending the launcher
     alone, as ``subprocess.run(timeout=...)`` does, would leave the workers running after the test), and the test
-    fails with their last output.
+    fails with their last output. With ``started``, the ``timeout`` counts from when ``started()`` is first true
+    (polled every 0.1 s, for at most `START_LIMIT` seconds): a test of the hang itself then does not depend on how
+    long a busy machine takes to start the launcher and its workers.
 
     Raises:
         AssertionError: the launch failed or hung (its output is in the message).
@@ -57,6 +72,10 @@ def torchrun(script: str, out_dir: Path, *args: str, nproc: int = 2, timeout: fl
         stderr=subprocess.PIPE,
         text=True,
     )
+    if started is not None:
+        limit = time.monotonic() + START_LIMIT
+        while not started() and launcher.poll() is None and time.monotonic() < limit:
+            time.sleep(0.1)
     try:
         stdout, stderr = launcher.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -112,7 +112,7 @@ def __getattr__(name: str) -> Any:
     if name == "utils":  # the second shelf, imported when first used
         return importlib.import_module("torchloom.utils")
     utils = importlib.import_module("torchloom.utils")
-    if name in utils.__all__:  # a helper's old place, until 0.3
+    if name in utils.__all__ and name != "plugins_with":  # a helper's old place, until 0.3
         import warnings
 
         warnings.warn(

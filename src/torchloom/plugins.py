@@ -252,7 +252,13 @@ def capability_of(plugin: Any, capability: str) -> bool:
 def plugins_with(capability: str, names: Iterable[str] | None = None) -> list[tuple[str, Any]]:
     """The installed plugins that declare ``capability`` (``Plugin.capabilities``), as ``(name, object the entry
     point names)``: among ``names`` when given (those not installed left out), else among all installed ones, each
-    imported. One of ``names`` that fails to import raises its `PluginError`; one of all the others is skipped."""
+    imported. One of ``names`` that fails to import raises its `PluginError`; one of all the others is skipped.
+
+    Example: ``torchloom.utils.plugins_with("adapter", ["peft", "grad_clip"])`` is ``[("peft", PeftPlugin)]``.
+
+    Raises:
+        PluginError: one of ``names`` is installed but cannot be imported.
+    """
     installed = installed_plugins()
     asked = sorted(installed) if names is None else [n for n in dict.fromkeys(names) if n in installed]
     found = []

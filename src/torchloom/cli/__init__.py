@@ -57,8 +57,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from torchloom._output import quiet_libraries
-from torchloom.errors import TorchloomError, TrainingInterrupted
+from torchloom import TorchloomError, TrainingInterrupted
+from torchloom.utils import quiet_libraries
 
 from ._config import load_run_config
 from ._environment import project_imports, put_config_dir_on_path, quiet_other_processes

@@ -57,7 +57,7 @@ def run(parser: Any, cfg: Any) -> int:
     run_cfg, _ = load_run_config(parser, ["predict", "--config", config], "predict", [])
     plugins = run_cfg["predict"].plugins
     if cfg.merge:  # the merge setting of the plugin that injects the adapter (its declared capability)
-        from torchloom.plugins import plugins_with
+        from torchloom.utils import plugins_with
 
         adapters = [name for name, _ in plugins_with("adapter", [n for n in plugins if isinstance(n, str)])]
         if not adapters:

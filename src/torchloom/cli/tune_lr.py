@@ -157,7 +157,7 @@ def run(parser: Any, cfg: Any) -> int:
 
 def _kept(plugins: Any) -> Any:
     """The config's plugins without those that declare `LEFT_OUT`."""
-    from torchloom.plugins import plugins_with
+    from torchloom.utils import plugins_with
 
     if plugins is None:
         return []
