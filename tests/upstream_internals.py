@@ -161,7 +161,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.data_loader.DataLoaderShard.synchronized_generator",
         "the shuffling sampler's generator, whose state a checkpoint keeps as the epoch started",
-        ("torchloom._loop",),
+        ("torchloom.checkpoint.data_position",),
         kind="instance",
         make=_data_loader_shard,
     ),

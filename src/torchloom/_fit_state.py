@@ -10,16 +10,15 @@ get the frozen `torchloom.Progress` that `progress` builds.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from torchloom.progress import Progress
 
 __all__ = ["FitState"]
 
-#: Field metadata: a value of each process's own (saved per process), not the main process's.
+#: Field metadata: a value of each process's own (saved per process), not the main process's. No counter is one
+#: today (the data generators' states, which were, belong to `torchloom.checkpoint.data_position.DataPosition`).
 PER_PROCESS = {"per_process": True}
 
 
@@ -35,8 +34,6 @@ class FitState:
         skipped_steps (`int`): optimizer steps skipped for a non-finite loss (``nonfinite_loss="skip"``).
         scaler_skipped_steps (`int`): optimizer steps the fp16 loss scaler skipped (an overflow).
         stop_reason (`str` or ``None``): why the fit stopped early, agreed over the processes.
-        epoch_generators (`dict[str, torch.Tensor]`, per process): the states of the generators the training loader
-            draws from as the current epoch started (see `torchloom._loop.data_generators`).
     """
 
     epoch: int = 0
@@ -49,7 +46,6 @@ class FitState:
     skipped_steps: int = 0
     scaler_skipped_steps: int = 0
     stop_reason: str | None = None
-    epoch_generators: dict[str, torch.Tensor] = field(default_factory=dict, metadata=PER_PROCESS)
 
     def progress(self) -> Progress:
         """The frozen record of the counters that hooks receive."""
