@@ -1,9 +1,11 @@
-"""`FitState`: every counter and position of a fit that a resume needs, in one object that the loop alone writes.
+"""`FitState`: every counter of a fit that a resume needs, in one object that the loop alone writes.
 
-A checkpoint is this state next to the plugins' states (`torchloom.checkpoint.store`): `FitState.state_dict` gives the
-main process's part (saved once), `FitState.process_state_dict` each process's own part (saved by every process),
-both in the no-pickle format of `torchloom.checkpoint.plugin_state` (ints, floats, strings, ``None``, tensors). A new
-resumable counter is one field here: it is saved, loaded and reset with the others. Hooks never see this object: they
+This state is one entry of a checkpoint's mapping (`torchloom.checkpoint.entries.Part`, next to the data position
+and the plugins' states): `FitState.state_dict` gives the main process's part (saved once),
+`FitState.process_state_dict` each process's own part (saved by every process), both in the no-pickle format of
+`torchloom.checkpoint.plugin_state` (ints, floats, strings, ``None``, tensors). A new resumable counter is one field
+here: it is saved, loaded and reset with the others. Where the training data stands is
+`torchloom.checkpoint.data_position.DataPosition`'s. Hooks never see this object: they
 get the frozen `torchloom.Progress` that `progress` builds.
 """
 

@@ -1,9 +1,11 @@
 """`FitLoop`: the training loop of one fit, and the only writer of its `FitState`.
 
 Epochs, micro-batches through ``run_train_step``, optimizer-step boundaries (logging, validation, checkpoints, stop
-checks), the end of training, and the two ways the fit state crosses a checkpoint: `FitLoop.save_checkpoint` (what
-`torchloom.save_checkpoint` calls) and `FitLoop.resume`. The hooks get a frozen `torchloom.Progress`, built from
-the state once per micro-batch and once per optimizer step.
+checks), the end of training, and the two ways the fit crosses a checkpoint: `FitLoop.save_checkpoint` (what
+`torchloom.save_checkpoint` calls) and `FitLoop.resume`, both over one mapping (`FitLoop.stateful`, written and
+loaded by `torchloom.checkpoint.store`). Where the training data stands, and how a resumed epoch starts, is
+`torchloom.checkpoint.data_position.DataPosition`'s: the epoch loop only loops. The hooks get a frozen
+`torchloom.Progress`, built from the state once per micro-batch and once per optimizer step.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ from torchloom._logbuffer import WEIGHT_PREFIX
 from torchloom._schedule import after_epoch, after_validation
 from torchloom._setup import log_data_values, sanity_check
 from torchloom._warn import warn
-from torchloom.checkpoint.async_save import PendingCheckpoint, start_async_save
+from torchloom.checkpoint.async_save import PendingCheckpoint
 from torchloom.checkpoint.data_position import DataPosition
+from torchloom.checkpoint.entries import AccelerateFiles, LogBufferState, Part, RandomStates
 from torchloom.checkpoint.lineage import Resumed, read_resumed, training_record, write_resumed
-from torchloom.checkpoint.store import SaveRequest, load_checkpoint, write_checkpoint
+from torchloom.checkpoint.plugin_state import stateful_plugins
+from torchloom.checkpoint.replicas import divergent
+from torchloom.checkpoint.store import load, write
 from torchloom.errors import ConfigError, RunFileError
 from torchloom.rundir.layout import CHECKPOINTS_DIR
 from torchloom.rundir.runfiles import finish_fit
@@ -375,30 +380,44 @@ class FitLoop:
             name = f"step-{state.global_step:08d}" + ("-epoch-end" if self.data.finished else "")
             directory = os.path.join(run.run_dir, CHECKPOINTS_DIR, name)
         self.settle_save()
-        request = SaveRequest(
+        path = write(
+            directory,
+            self.stateful(),
             accelerator=run.accelerator,
-            model=run.model,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            plugins=self.plugins,
-            engine_state={**state.state_dict(), **self.data.state_dict()},
-            metrics=self.logs.latest,
             agreement=run.agreement,
+            metrics=self.logs.latest,
             training=self._training(),
             nonfinite_loss=self.config.nonfinite_loss,
             skipped=self.skipped_saves,
-            process_state={
-                **state.process_state_dict(),
-                **self.data.process_state_dict(),
-                "log_buffer": self.logs.train.state_dict(),
-            },
+            asynchronous=asynchronous,
         )
-        path = (start_async_save if asynchronous else write_checkpoint)(directory, request)
         if isinstance(path, PendingCheckpoint):
             self._in_flight = path
         if path is not None:  # None: the state is not finite, nothing written (nonfinite_loss "skip" / "ignore")
             self._last_saved = (state.global_step, path if isinstance(path, str) else path.path)
         return path
+
+    def stateful(self) -> dict[str, Any]:
+        """What a checkpoint of this fit holds (`torchloom.checkpoint.entries`): the model, optimizer and loss
+        scaler (each process's own copy too where a plugin lets them differ), the fit state, the data position,
+        the scheduler, the log buffer, the random states (last: restored after everything else), then every
+        stateful plugin.
+
+        Raises:
+            PluginError: two stateful plugins share a name, or a name cannot be a file name.
+        """
+        run = self.run
+        replicas = run.accelerator.num_processes > 1 and divergent(self.plugins)
+        engine: dict[str, Any] = {
+            "engine/model": AccelerateFiles(run.accelerator, run.model, run.optimizer, replicas=replicas),
+            "engine/fit_state": Part(self.state, main="engine", process="process"),
+            "engine/data_position": Part(self.data, main="engine", process="process"),
+        }
+        if run.scheduler is not None:
+            engine["engine/lr_scheduler"] = Part(run.scheduler, main="lr_scheduler")
+        engine["engine/log_buffer"] = Part(LogBufferState(self.logs.train, run.accelerator.device), process="process")
+        engine["engine/random_states"] = Part(RandomStates(), process="process")
+        return {**engine, **stateful_plugins(self.plugins)}
 
     def _saved_here(self) -> str | None:
         """The path of this fit's latest checkpoint when it is the one to save now: an epoch cut short (max_steps,
@@ -417,35 +436,22 @@ class FitLoop:
         return training_record(self.resumed, len(self.logs.history), samples, trained, now - self._started)
 
     def resume(self, path: str, reset_optimizer: bool) -> None:
-        """Load the checkpoint at ``path`` into the prepared run and this loop's state (`data` then starts where
-        it stopped).
+        """Load the checkpoint at ``path`` into the prepared run and this loop's `stateful` entries (`data` then
+        starts where it stopped; the plugins' ``load_state_dict`` run here, after ``on_run_start`` and before
+        ``on_fit_start``).
 
         Also reads what the fit continues (`resumed`: the chain of runs, their records up to the checkpoint, the
         whole training's totals) and, on the main process, writes its records at the top of this run's
         ``metrics.jsonl`` and the chain to ``resumed_from.json`` (`torchloom.checkpoint.lineage`).
 
         Raises:
-            CheckpointError: the checkpoint cannot continue this run (see `torchloom.checkpoint.store.load_checkpoint`).
+            CheckpointError: the checkpoint cannot continue this run (see `torchloom.checkpoint.store.load`).
             RunFileError: on every process, when the main process cannot write those files.
         """
         run = self.run
-        saved, manifest = load_checkpoint(
-            path,
-            accelerator=run.accelerator,
-            model=run.model,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            plugins=self.plugins,
-            reset_optimizer=reset_optimizer,
-            data=self.data.order(),
-        )
+        manifest = load(path, self.stateful(), accelerator=run.accelerator, reset_optimizer=reset_optimizer)
         if reset_optimizer and run.accelerator.is_main_process:
-            warn(
-                f"resuming from {path!r} with reset_optimizer=True: the optimizer starts with fresh state",
-            )
-        self.state.load_state_dict(saved)
-        self.logs.train.load_state_dict(saved["log_buffer"], run.accelerator.device)
-        self.data.load_state_dict(saved)
+            warn(f"resuming from {path!r} with reset_optimizer=True: the optimizer starts with fresh state")
         self.resumed = read_resumed(path, manifest, warn=run.accelerator.is_main_process)
         failure = None
         if run.accelerator.is_main_process:

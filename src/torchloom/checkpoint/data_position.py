@@ -292,6 +292,12 @@ class DataPosition:
             "fetch_random_states": None if self.finished else self._watch.state_dict(),
         }
 
+    def problems(self, manifest: Mapping[str, Any]) -> list[str]:
+        """Why this run's training data cannot continue the epoch a checkpoint (its ``manifest``) stopped in
+        (`layout_problems`; empty: it can), on another number of processes too: the position is in samples of the
+        global order."""
+        return layout_problems(manifest.get("position") or {}, self.order())
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where a checkpoint stopped: ``state`` holds what `state_dict` and `process_state_dict` returned
         and the process's ``random_states`` (`torchloom.checkpoint.random_states`), merged; other keys are ignored.
