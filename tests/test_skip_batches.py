@@ -9,7 +9,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 
-from torchloom.checkpoint.data_position import _IndexSkipBatchSampler, skip_batches
+from torchloom.checkpoint.fetch_states import _IndexSkipBatchSampler, skip_batches
 
 
 class Counted(Dataset):

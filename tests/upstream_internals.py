@@ -161,7 +161,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.data_loader.DataLoaderShard.synchronized_generator",
         "the shuffling sampler's generator, whose state a checkpoint keeps as the epoch started",
-        ("torchloom._loop",),
+        ("torchloom.checkpoint.data_position",),
         kind="instance",
         make=_data_loader_shard,
     ),
@@ -180,7 +180,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.utils.constants.RNG_STATE_NAME",
         "save_state writes random_states_<rank>.pkl, which a checkpoint removes and a load refuses (a pickle)",
-        ("torchloom.checkpoint.store",),
+        ("torchloom.checkpoint.entries",),
         kind="value",
         value="random_states",
         names=("random_states_",),
@@ -189,7 +189,7 @@ INTERNALS: tuple[Internal, ...] = (
         "accelerate.utils.constants.SAFE_WEIGHTS_NAME",
         "the model file save_state writes: a checkpoint's required accelerate/model.safetensors, the weights "
         "predict(ckpt_path=<checkpoint>) loads",
-        ("torchloom.checkpoint.store", "torchloom.rundir.export"),
+        ("torchloom.checkpoint.entries", "torchloom.rundir.export"),
         kind="value",
         value="model.safetensors",
         names=("model.safetensors",),
@@ -197,7 +197,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.utils.constants.OPTIMIZER_NAME",
         "the optimizer file save_state writes (optimizer.bin), required in a checkpoint",
-        ("torchloom.checkpoint.store",),
+        ("torchloom.checkpoint.entries",),
         kind="value",
         value="optimizer",
         names=("optimizer.bin",),
@@ -205,7 +205,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.utils.constants.SCALER_NAME",
         "the fp16 loss scaler's file save_state writes, required in a checkpoint of an fp16 run",
-        ("torchloom.checkpoint.store",),
+        ("torchloom.checkpoint.entries",),
         kind="value",
         value="scaler.pt",
         names=("scaler.pt",),
@@ -219,7 +219,7 @@ INTERNALS: tuple[Internal, ...] = (
         "_custom_objects (what prepare and register_for_checkpointing registered) and _save_model_state_pre_hook "
         "(register_save_state_pre_hook's hooks)",
         (
-            "torchloom.checkpoint.store",
+            "torchloom.checkpoint.entries",
             "torchloom._lifetime",
             "torchloom_plugins.mixed_precision",
             "torchloom.checkpoint.async_save",

@@ -7,7 +7,7 @@ The engine makes one `RunContext` per call and makes it current for the call's d
 - ``log`` buffers into the run's `torchloom._logging.RunLog`;
 - `request_stop` records this process's request; the loop agrees on it over the processes at its next check;
 - `save_checkpoint` calls the running fit's loop (`torchloom._loop.FitLoop.save_checkpoint`), which writes the
-  fit state next to the plugins' states with `torchloom.checkpoint.store.write_checkpoint`;
+  fit's entries next to the plugins' states with `torchloom.checkpoint.store.write`;
 - `rank_agreement` is the run's `torchloom.RankAgreement`.
 """
 

@@ -1,25 +1,26 @@
-"""`FitState`: every counter and position of a fit that a resume needs, in one object that the loop alone writes.
+"""`FitState`: every counter of a fit that a resume needs, in one object that the loop alone writes.
 
-A checkpoint is this state next to the plugins' states (`torchloom.checkpoint.store`): `FitState.state_dict` gives the
-main process's part (saved once), `FitState.process_state_dict` each process's own part (saved by every process),
-both in the no-pickle format of `torchloom.checkpoint.plugin_state` (ints, floats, strings, ``None``, tensors). A new
-resumable counter is one field here: it is saved, loaded and reset with the others. Hooks never see this object: they
+This state is one entry of a checkpoint's mapping (`torchloom.checkpoint.entries.Part`, next to the data position
+and the plugins' states): `FitState.state_dict` gives the main process's part (saved once),
+`FitState.process_state_dict` each process's own part (saved by every process), both in the no-pickle format of
+`torchloom.checkpoint.plugin_state` (ints, floats, strings, ``None``, tensors). A new resumable counter is one field
+here: it is saved, loaded and reset with the others. Where the training data stands is
+`torchloom.checkpoint.data_position.DataPosition`'s. Hooks never see this object: they
 get the frozen `torchloom.Progress` that `progress` builds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from torchloom.progress import Progress
 
 __all__ = ["FitState"]
 
-#: Field metadata: a value of each process's own (saved per process), not the main process's.
+#: Field metadata: a value of each process's own (saved per process), not the main process's. No counter is one
+#: today (the data generators' states, which were, belong to `torchloom.checkpoint.data_position.DataPosition`).
 PER_PROCESS = {"per_process": True}
 
 
@@ -35,8 +36,6 @@ class FitState:
         skipped_steps (`int`): optimizer steps skipped for a non-finite loss (``nonfinite_loss="skip"``).
         scaler_skipped_steps (`int`): optimizer steps the fp16 loss scaler skipped (an overflow).
         stop_reason (`str` or ``None``): why the fit stopped early, agreed over the processes.
-        epoch_generators (`dict[str, torch.Tensor]`, per process): the states of the generators the training loader
-            draws from as the current epoch started (see `torchloom._loop.data_generators`).
     """
 
     epoch: int = 0
@@ -49,7 +48,6 @@ class FitState:
     skipped_steps: int = 0
     scaler_skipped_steps: int = 0
     stop_reason: str | None = None
-    epoch_generators: dict[str, torch.Tensor] = field(default_factory=dict, metadata=PER_PROCESS)
 
     def progress(self) -> Progress:
         """The frozen record of the counters that hooks receive."""

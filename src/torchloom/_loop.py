@@ -1,23 +1,23 @@
 """`FitLoop`: the training loop of one fit, and the only writer of its `FitState`.
 
 Epochs, micro-batches through ``run_train_step``, optimizer-step boundaries (logging, validation, checkpoints, stop
-checks), the end of training, and the two ways the fit state crosses a checkpoint: `FitLoop.save_checkpoint` (what
-`torchloom.save_checkpoint` calls) and `FitLoop.resume`. The hooks get a frozen `torchloom.Progress`, built from
-the state once per micro-batch and once per optimizer step.
+checks), the end of training, and the two ways the fit crosses a checkpoint: `FitLoop.save_checkpoint` (what
+`torchloom.save_checkpoint` calls) and `FitLoop.resume`, both over one mapping (`FitLoop.stateful`, written and
+loaded by `torchloom.checkpoint.store`). Where the training data stands, and how a resumed epoch starts, is
+`torchloom.checkpoint.data_position.DataPosition`'s: the epoch loop only loops. The hooks get a frozen
+`torchloom.Progress`, built from the state once per micro-batch and once per optimizer step.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from accelerate.data_loader import get_sampler
 from accelerate.utils import find_batch_size
 
 from torchloom._accelerator import note_run_failed
-from torchloom._batch_limits import limited
 from torchloom._context import RunContext, activate
 from torchloom._evaluation import validation_pass
 from torchloom._fit_state import FitState
@@ -27,44 +27,34 @@ from torchloom._guards import (
     check_same_length,
     check_step_outputs,
     check_training,
-    stop_iteration,
 )
 from torchloom._logbuffer import WEIGHT_PREFIX
 from torchloom._schedule import after_epoch, after_validation
 from torchloom._setup import log_data_values, sanity_check
 from torchloom._warn import warn
-from torchloom.checkpoint.async_save import PendingCheckpoint, start_async_save
-from torchloom.checkpoint.data_position import data_order, position, resume_point
-from torchloom.checkpoint.fetch_states import Watch, resume_source
+from torchloom.checkpoint.async_save import PendingCheckpoint
+from torchloom.checkpoint.data_position import DataPosition
+from torchloom.checkpoint.entries import AccelerateFiles, LogBufferState, Part, RandomStates
 from torchloom.checkpoint.lineage import Resumed, read_resumed, training_record, write_resumed
-from torchloom.checkpoint.random_states import set_random_states
-from torchloom.checkpoint.store import SaveRequest, load_checkpoint, write_checkpoint
+from torchloom.checkpoint.manifest import ranking
+from torchloom.checkpoint.plugin_state import stateful_plugins
+from torchloom.checkpoint.replicas import divergent
+from torchloom.checkpoint.store import load, write
 from torchloom.errors import ConfigError, RunFileError
 from torchloom.rundir.layout import CHECKPOINTS_DIR
 from torchloom.rundir.runfiles import finish_fit
 from torchloom.step import StepHooks
 
-__all__ = ["FitLoop", "Start", "data_generators"]
-
-
-class Start(NamedTuple):
-    """Where a fit starts: the epoch, the batches of it to skip, and for a resume the random states to restore once
-    the epoch's loader has started and the data generators' states as that epoch started."""
-
-    epoch: int = 0
-    skip: int = 0
-    random_states: dict[str, Any] | None = None
-    generators: dict[str, torch.Tensor] | None = None
-    fetch_states: dict[str, Any] | None = (
-        None  # before the look-ahead fetch (`torchloom.checkpoint.fetch_states.Watch`)
-    )
+__all__ = ["FitLoop"]
 
 
 class FitLoop:
     """Trains ``task`` on a prepared ``run`` (see `torchloom._setup.Run`) by the engine's ``config``.
 
     Attributes:
-        state (`FitState`): the fit's counters and positions; only this object writes them.
+        state (`FitState`): the fit's counters; only this object writes them.
+        data (`DataPosition`): where the training data stands: it starts each epoch's loader (a resumed one where
+            the checkpoint stopped).
         context (`RunContext`): what the fit exposes ambiently (its ``saver`` is `save_checkpoint`).
         hooks (`StepHooks`): what ``run_train_step`` implementations receive.
         resumed (`torchloom.Resumed` or ``None``): what the fit continues, once `resume` loaded a checkpoint.
@@ -78,6 +68,7 @@ class FitLoop:
     ) -> None:
         self.config, self.run, self.task, self.logs, self.plugins = config, run, task, logs, plugins
         self.state = FitState()
+        self.data = DataPosition(run.accelerator, run.train_dataloader, run.train_batches)
         self.resumed: Resumed | None = None
         # This run's part of the whole training, for the next resume (a checkpoint's manifest): wall and training
         # clocks, validation time, and the main process's samples (None once a batch had no size).
@@ -90,9 +81,7 @@ class FitLoop:
         )
         self.hooks = StepHooks(run.relay, logs.log, config.nonfinite_loss == "skip", run.agreement, run.model)
         self.empty = EmptyMicroBatches()  # where a micro-batch with no loss token had a non-finite loss (device)
-        # (epoch, batches done in it, epoch finished) while a checkpoint may be saved, else None
-        self._save_point: tuple[int, int, bool] | None = None
-        self._watch = Watch()  # the epoch's states before the look-ahead fetch, for a checkpoint
+        self._save_point = False  # a checkpoint may be saved now (the data position is known: self.data)
         self._last_saved: tuple[int, str] | None = None  # (global_step, path) of this fit's latest checkpoint
         self._batch_start = run.relay.hook("on_train_batch_start")  # call lists: skipped while empty
         self._batch_end = run.relay.hook("on_train_batch_end")
@@ -103,10 +92,11 @@ class FitLoop:
 
     # ------------------------------------------------------------------------------------------ training
 
-    def fit(self, start: Start) -> None:
-        """The fit from ``start``: ``on_fit_start``, the sanity pass, the epochs, the end of training, the saved model
-        and ``latest`` link; ``on_exception`` if any of it raises; ``on_fit_end`` always (a failure of its own is
-        kept in `cleanup_failure` for the engine to raise after ``teardown``)."""
+    def fit(self) -> None:
+        """The fit from where `data` stands (a resume: where `resume` left it): ``on_fit_start``, the sanity pass,
+        the epochs, the end of training, the saved model and ``latest`` link; ``on_exception`` if any of it raises;
+        ``on_fit_end`` always (a failure of its own is kept in `cleanup_failure` for the engine to raise after
+        ``teardown``)."""
         run, end = self.run, self._end_args()
         error: BaseException | None = None
         try:
@@ -116,7 +106,7 @@ class FitLoop:
                 run.relay.call("on_fit_start", **end, **begin, **start_args)
                 log_data_values(run.datamodule, self.logs)
                 sanity_check(self.task, run, self.config.num_sanity_val_steps, self.logs)
-                self.train(start)
+                self.train()
                 self.end()
                 self.settle_save()  # the end of training waits for a save still in flight
                 finish_fit(self.task, run, self.config, self.logs)  # the model (save_model: true), the latest link
@@ -131,16 +121,14 @@ class FitLoop:
         finally:
             self.cleanup_failure = run.relay.call_cleanup("on_fit_end", error, **end, progress=self.state.progress())
 
-    def train(self, start: Start) -> None:
-        """The epochs from ``start``, until ``max_epochs``, ``max_steps`` or a stop agreed over the processes."""
-        skip, rng, generators, fetch = start.skip, start.random_states, start.generators, start.fetch_states
+    def train(self) -> None:
+        """The epochs from `data`'s, until ``max_epochs``, ``max_steps`` or a stop agreed over the processes."""
         self._train_start = time.perf_counter()
-        for epoch in range(start.epoch, self.config.max_epochs):
+        for epoch in range(self.data.epoch, self.config.max_epochs):
             if self.config.max_steps is not None and self.state.global_step >= self.config.max_steps:
                 break  # a resumed fit that had finished
-            if self._epoch(epoch, skip, rng, generators, fetch):
+            if self._epoch(epoch):
                 break
-            skip, rng, generators, fetch = 0, None, None, None
 
     def end(self) -> None:
         """The end of training: what is still logged, ``on_train_end``, its logs, and a final validation if the
@@ -154,73 +142,32 @@ class FitLoop:
     def _end_args(self) -> dict[str, Any]:
         return {"accelerator": self.run.accelerator, "task": self.task, "model": self.run.model}
 
-    def _epoch(
-        self, epoch: int, skip: int, rng: Any, generators: dict[str, torch.Tensor] | None, fetch: Any = None
-    ) -> bool:
-        """Train one epoch (validating at the configured interval); return whether to stop. ``skip``: batches of
-        the epoch a resumed checkpoint already trained on; ``rng``: the random states to restore once the epoch's
-        loader has started; ``generators``: the data generators' states as that epoch started; ``fetch``: the
-        states before the look-ahead fetch after the checkpoint (`torchloom.checkpoint.fetch_states`; all for a
-        resume)."""
-        run, state, relay = self.run, self.state, self.run.relay
-        loader = run.train_dataloader
-        check_same_length(run.agreement, loader, "training")
-        if hasattr(loader, "set_epoch"):  # the epoch's own shuffle (seed + epoch), also in a resumed fit
-            loader.set_epoch(epoch)
-        found = data_generators(loader)
-        for name, saved in (generators or {}).items():  # what the loader draws as it starts: as the saved run drew it
-            if name in found:
-                found[name].set_state(saved)
-        state.epoch_generators = {name: generator.get_state() for name, generator in found.items()}
-        if rng is not None and skip == 0:
-            set_random_states(rng)
-            rng = None
-        state.epoch, state.batch_idx = epoch, skip
+    def _epoch(self, epoch: int) -> bool:
+        """Train one epoch (validating at the configured interval); return whether to stop. A resumed epoch starts
+        where the checkpoint stopped (`DataPosition.start_epoch`)."""
+        run, state, relay, data = self.run, self.state, self.run.relay, self.data
+        check_same_length(run.agreement, run.train_dataloader, "training")
+        batches = data.start_epoch(run.train_dataloader, epoch)
+        state.epoch, state.batch_idx = epoch, data.batches_done
         relay.call("on_train_epoch_start", accelerator=run.accelerator, progress=state.progress())
-        done, batches, limit = False, 0, run.train_batches
-        # A resume skips by index; the data's draws from the global generators are restored in its sampler, or
-        # it starts the loader again and fetches one batch more (`again`), untrained
-        # (`torchloom.checkpoint.fetch_states`).
-        self._watch = watch = Watch(full=bool(fetch and not fetch["first"] and "python" in fetch["states"]))
-        source, again, restoring = (
-            resume_source(run.accelerator, loader, skip, fetch, rng) if skip else (loader, 0, None)
-        )
-        fresh = restoring is None and not (skip and not again)  # the loader starts from the epoch's start
-        if fresh:
-            watch.before_first()
-        # Under a batch limit (limit_train_batches, overfit_batches, fast_dev_run) the epoch ends after its
-        # last batch, which ends an open accumulation window with an optimizer step, as a whole epoch's last does.
-        for batch_idx, batch in enumerate(limited(source, limit, skip - again, end_of_data=True), skip - again):
-            if fresh:  # did the loader's first call (its first two fetches) move Python's or numpy's state?
-                watch.after_first()
-                fresh = False
-            if rng is not None:  # as they were when the checkpoint was saved: starting the loader drew from them
-                if restoring is None or not restoring.applied:
-                    set_random_states(rng)
-                if again:  # the batch the checkpoint trained: fetched again only for its draws, not trained
-                    rng, again = None, 0
-                    watch.before_next()
-                    continue
-                watch.continued(rng)
-                rng = None
-            batches, state.batch_idx = batches + 1, batch_idx
+        done = False
+        for batch_idx, batch in batches:
+            state.batch_idx = batch_idx
             if self._micro_batch(batch):
-                stop_iteration(source)
+                data.stop()
                 done = True
                 break
-            watch.before_next()
-        if batches == 0 and skip == 0:
+        if data.batches_done == 0:  # no batch trained, none skipped
             raise ConfigError(f"fit: the training dataloader yielded no batches in epoch {epoch}; nothing was trained")
-        if rng is not None:  # a checkpoint of the epoch's last step: nothing left to train in it
-            set_random_states(rng)
         if self.config.val_check_interval is None:
             self.validate()
         after_epoch(run.scheduler)  # an epoch-interval schedule, before an epoch-end checkpoint saves it
-        self._save_point = (epoch, skip + batches, not done)
+        data.end_epoch(finished=not done)
+        self._save_point = True
         try:
             relay.call("on_train_epoch_end", accelerator=run.accelerator, progress=state.progress(), log=self.logs.log)
         finally:
-            self._save_point = None
+            self._save_point = False
         return self._stop_agreed() or done
 
     def _micro_batch(self, batch: Any) -> bool:
@@ -313,11 +260,11 @@ class FitLoop:
             self.validate()
             logged = True
         if run.relay.implemented("on_train_step_end"):
-            self._save_point = (state.epoch, state.batch_idx + 1, False)
+            self._save_point = True  # self.data: after batch state.batch_idx of the epoch
             try:
                 run.relay.call("on_train_step_end", accelerator=run.accelerator, progress=state.progress())
             finally:
-                self._save_point = None
+                self._save_point = False
         if logged and self._stop_agreed():
             return True
         return cfg.max_steps is not None and state.global_step >= cfg.max_steps
@@ -420,58 +367,68 @@ class FitLoop:
             warn(f"the fit failed, and so did the background save of checkpoint {pending.path!r}: {exc}")
 
     def _save(self, directory: str | None, asynchronous: bool) -> str | PendingCheckpoint | None:
-        if self._save_point is None:
+        if not self._save_point:
             raise RuntimeError(
                 "save_checkpoint() must be called from on_train_step_end or on_train_epoch_end, where no "
                 "accumulation window is open and the data position is known"
             )
         run, state = self.run, self.state
-        epoch, batches_done, finished = self._save_point
         if directory is None:
-            last = self._last_saved
             self.settle_save()  # at most one save in flight: a save waits for the previous one
-            if not finished and last is not None and last[0] == state.global_step and os.path.isdir(last[1]):
-                # An epoch cut short (max_steps, a stop) ends where its last step's checkpoint was saved: the
-                # same position and weights, and the same name; nothing was trained since, so that one is it.
-                return PendingCheckpoint(last[1]) if asynchronous else last[1]
-            name = f"step-{state.global_step:08d}" + ("-epoch-end" if finished else "")
+            saved = self._saved_here()
+            if saved is not None:
+                return PendingCheckpoint(saved) if asynchronous else saved
+            name = f"step-{state.global_step:08d}" + ("-epoch-end" if self.data.finished else "")
             directory = os.path.join(run.run_dir, CHECKPOINTS_DIR, name)
-        order = data_order(run.train_dataloader, run.accelerator.num_processes, run.train_batches)
-        # This process's data generators as the epoch to resume in starts: this one's, or (at its end) the next's.
-        generators = (
-            {name: g.get_state() for name, g in data_generators(run.train_dataloader).items()}
-            if finished
-            else dict(state.epoch_generators)
-        )
         self.settle_save()
-        request = SaveRequest(
+        path = write(
+            directory,
+            self.stateful(),
             accelerator=run.accelerator,
-            model=run.model,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            plugins=self.plugins,
-            engine_state={**state.state_dict(), "position": position(epoch, batches_done, finished, order)},
-            metrics=self.logs.latest,
             agreement=run.agreement,
+            metrics=self.logs.latest,
             training=self._training(),
+            ranking=ranking(self.plugins),
             nonfinite_loss=self.config.nonfinite_loss,
             skipped=self.skipped_saves,
-            process_state={
-                **state.process_state_dict(),
-                "epoch_generators": generators,
-                "fetch_random_states": None if finished else self._watch.state_dict(),
-                "log_buffer": self.logs.train.state_dict(),
-            },
+            asynchronous=asynchronous,
         )
-        path = (start_async_save if asynchronous else write_checkpoint)(directory, request)
-        if path is None:  # the state is not finite: nothing written (nonfinite_loss "skip" / "ignore": warned)
-            return None
         if isinstance(path, PendingCheckpoint):
             self._in_flight = path
-            self._last_saved = (state.global_step, path.path)
-        else:
-            self._last_saved = (state.global_step, path)
+        if path is not None:  # None: the state is not finite, nothing written (nonfinite_loss "skip" / "ignore")
+            self._last_saved = (state.global_step, path if isinstance(path, str) else path.path)
         return path
+
+    def stateful(self) -> dict[str, Any]:
+        """What a checkpoint of this fit holds (`torchloom.checkpoint.entries`): the model, optimizer and loss
+        scaler (each process's own copy too where a plugin lets them differ), the fit state, the data position,
+        the scheduler, the log buffer, the random states (last: restored after everything else), then every
+        stateful plugin.
+
+        Raises:
+            PluginError: two stateful plugins share a name, or a name cannot be a file name.
+        """
+        run = self.run
+        replicas = run.accelerator.num_processes > 1 and divergent(self.plugins)
+        engine: dict[str, Any] = {
+            "engine/model": AccelerateFiles(run.accelerator, run.model, run.optimizer, replicas=replicas),
+            "engine/fit_state": Part(self.state, main="engine", process="process"),
+            "engine/data_position": Part(self.data, main="engine", process="process"),
+        }
+        if run.scheduler is not None:
+            engine["engine/lr_scheduler"] = Part(run.scheduler, main="lr_scheduler")
+        engine["engine/log_buffer"] = Part(LogBufferState(self.logs.train, run.accelerator.device), process="process")
+        engine["engine/random_states"] = Part(RandomStates(), process="process")
+        return {**engine, **stateful_plugins(self.plugins)}
+
+    def _saved_here(self) -> str | None:
+        """The path of this fit's latest checkpoint when it is the one to save now: an epoch cut short (max_steps,
+        a stop) ends where its last step's checkpoint was saved, with the same position and weights, and the same
+        name; nothing was trained since, so that one is it. ``None`` otherwise."""
+        last = self._last_saved
+        if self.data.finished or last is None or last[0] != self.state.global_step or not os.path.isdir(last[1]):
+            return None
+        return last[1]
 
     def _training(self) -> dict[str, Any]:
         """The whole training up to now, as a checkpoint's manifest records it (`training_record`)."""
@@ -480,39 +437,23 @@ class FitLoop:
         samples = None if self._samples is None else self._samples * acc.num_processes
         return training_record(self.resumed, len(self.logs.history), samples, trained, now - self._started)
 
-    def resume(self, path: str, reset_optimizer: bool) -> Start:
-        """Load the checkpoint at ``path`` into the prepared run and this loop's state; return where to start.
+    def resume(self, path: str, reset_optimizer: bool) -> None:
+        """Load the checkpoint at ``path`` into the prepared run and this loop's `stateful` entries (`data` then
+        starts where it stopped; the plugins' ``load_state_dict`` run here, after ``on_run_start`` and before
+        ``on_fit_start``).
 
         Also reads what the fit continues (`resumed`: the chain of runs, their records up to the checkpoint, the
         whole training's totals) and, on the main process, writes its records at the top of this run's
         ``metrics.jsonl`` and the chain to ``resumed_from.json`` (`torchloom.checkpoint.lineage`).
 
         Raises:
-            CheckpointError: the checkpoint cannot continue this run (see `torchloom.checkpoint.store.load_checkpoint`).
+            CheckpointError: the checkpoint cannot continue this run (see `torchloom.checkpoint.store.load`).
             RunFileError: on every process, when the main process cannot write those files.
         """
         run = self.run
-        order = data_order(run.train_dataloader, run.accelerator.num_processes, run.train_batches)
-        saved, manifest = load_checkpoint(
-            path,
-            accelerator=run.accelerator,
-            model=run.model,
-            optimizer=run.optimizer,
-            scheduler=run.scheduler,
-            plugins=self.plugins,
-            reset_optimizer=reset_optimizer,
-            data=order,
-        )
+        manifest = load(path, self.stateful(), accelerator=run.accelerator, reset_optimizer=reset_optimizer)
         if reset_optimizer and run.accelerator.is_main_process:
-            warn(
-                f"resuming from {path!r} with reset_optimizer=True: the optimizer starts with fresh state",
-            )
-        self.state.load_state_dict(saved)
-        self.logs.train.load_state_dict(saved["log_buffer"], run.accelerator.device)
-        sampler, seed = get_sampler(run.train_dataloader), saved["position"]["order"]["sampler_seed"]
-        if seed is not None and hasattr(sampler, "initial_seed"):
-            sampler.initial_seed = seed  # every later epoch is drawn as the checkpoint's run drew it
-        epoch, skip = resume_point(saved["position"], order)
+            warn(f"resuming from {path!r} with reset_optimizer=True: the optimizer starts with fresh state")
         self.resumed = read_resumed(path, manifest, warn=run.accelerator.is_main_process)
         failure = None
         if run.accelerator.is_main_process:
@@ -523,7 +464,6 @@ class FitLoop:
         failure = run.agreement.first(failure)  # a failed write fails every process alike
         if failure is not None:
             raise RunFileError(failure)
-        return Start(epoch, skip, saved["random_states"], saved["epoch_generators"], saved.get("fetch_random_states"))
 
 
 def _has_items(items: Any) -> torch.Tensor | bool | None:
@@ -540,20 +480,3 @@ def _batch_size(batch: Any, counted: int) -> int | None:
         return counted + int(find_batch_size(batch))
     except (TypeError, ValueError, IndexError):
         return None
-
-
-def data_generators(loader: Any) -> dict[str, torch.Generator]:
-    """The generators the training loader draws from as an epoch starts, each once, by name: the shuffling
-    sampler's (Accelerate's ``synchronized_generator``: ``DataLoader(shuffle=True, generator=...)`` when ``seed`` is
-    ``None``), the DataLoader's own (its workers' base seed), and torch's global one (a sampler without a generator
-    seeds itself from it; so does the base seed then). A checkpoint keeps their states as its epoch started, so
-    that the resumed epoch draws its order again exactly before the random states are restored."""
-    found: dict[str, torch.Generator] = {}
-    for name, generator in (
-        ("sampler", getattr(loader, "synchronized_generator", None)),
-        ("dataloader", getattr(loader, "generator", None)),
-        ("torch", torch.default_generator),
-    ):
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found.values()):
-            found[name] = generator
-    return found

@@ -21,7 +21,7 @@ from torchloom._evaluation import prediction_pass
 from torchloom._fit_state import FitState
 from torchloom._lifetime import RunStarter
 from torchloom._logging import RunLog
-from torchloom._loop import FitLoop, Start
+from torchloom._loop import FitLoop
 from torchloom._output import quiet_libraries
 from torchloom._setup import Run, engine_relay
 from torchloom.config import EngineConfig
@@ -187,10 +187,11 @@ class Engine:
         loop = FitLoop(self.config.for_run(), run, task, self.logs, self.plugins, started)
         self._state = loop.state
         path = self.resumed_from
-        start = self._starter.set_up(run, "fit", loop.resume, path, reset_optimizer) if path else Start()
+        if path:
+            self._starter.set_up(run, "fit", loop.resume, path, reset_optimizer)
         error: BaseException | None = None
         try:
-            loop.fit(start)  # on_fit_start ... the saved model, on_exception, on_fit_end
+            loop.fit()  # on_fit_start ... the saved model, on_exception, on_fit_end
         except BaseException as exc:
             error = exc
             raise

@@ -1,6 +1,6 @@
 """Asynchronous checkpoint saves: the state copied once to host memory at the save point, written by a thread.
 
-`start_async_save` is `torchloom.checkpoint.store.write_checkpoint` cut in two. On the main thread, at the save point
+`start_async_save` is `torchloom.checkpoint.store.write` cut in two. On the main thread, at the save point
 (every process, as for a synchronous save): the check that the checkpoint does not exist (the one broadcast),
 then one host copy of everything a synchronous save writes: the model's state (Accelerate's ``get_state_dict``,
 through the same save-state pre-hooks, so an adapter is saved alone), every optimizer's and scheduler's
@@ -27,21 +27,23 @@ import copy
 import io
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list
 
-from torchloom.checkpoint.manifest import MANIFEST, _fsync_dir, hash_and_sync, publish
-from torchloom.checkpoint.plugin_state import encode_plugin_state, write_plugin_state
-from torchloom.checkpoint.store import (
-    _ACCELERATE_RANDOM_STATES,
-    SaveRequest,
-    checked_plugin_states,
-    claim_directory,
+from torchloom.checkpoint.entries import (
+    ACCELERATE_RANDOM_STATES,
+    Sorted,
+    checked_states,
+    holding,
+    process_files,
     without_zip_crc32,
 )
+from torchloom.checkpoint.manifest import MANIFEST, _fsync_dir, claim_directory, hash_and_sync, publish
+from torchloom.checkpoint.plugin_state import encode_plugin_state, write_plugin_state
 from torchloom.errors import CheckpointError, RunFileError
 from torchloom.rundir import atomic
 from torchloom.rundir.adapter_format import TrainableOnly
@@ -170,7 +172,7 @@ class _Writer:
         self.save_on_each_node = bool(accelerator.project_configuration.save_on_each_node)
         self.base: dict[str, Any] = {}
         self.parts: dict[str, Any] = {}
-        self.known: dict[str, Any] = {}  # file -> {"bytes", "sha256"}: those this process wrote, hashed
+        self.known: dict[str, Any] = {}  # file -> {"bytes", "xxh3_128"}: those this process wrote, hashed
         self.failure: str | None = None  # a failed write (`atomic.write_failure`)
         self.error: BaseException | None = None  # what the thread raised
         self.thread = threading.Thread(target=self._run, name=f"torchloom-async-save-{tmp.name}", daemon=True)
@@ -199,12 +201,22 @@ def check_supported(accelerator: Any) -> None:
         )
 
 
-def start_async_save(directory: str, request: SaveRequest) -> PendingCheckpoint | None:
-    """Copy the state of a checkpoint of ``request`` into host memory and start writing it in a thread (every
-    process, at the same point, as `torchloom.checkpoint.store.write_checkpoint`, whose arguments these are); return at
-    once. The state is first checked finite, before anything is copied
-    (`torchloom.checkpoint.store.checked_plugin_states`): ``None`` when it is not and ``request.nonfinite_loss`` is
-    ``"skip"`` / ``"ignore"`` (nothing written, a warning).
+def start_async_save(
+    directory: str,
+    entries: Sorted,
+    main_states: dict[str, dict[str, Any]],
+    base: Callable[[], dict[str, Any]],
+    *,
+    agreement: Any,
+    step: int,
+    nonfinite_loss: str = "error",
+    skipped: list[int] | None = None,
+) -> PendingCheckpoint | None:
+    """Copy the state of a checkpoint of ``entries`` into host memory and start writing it in a thread (every
+    process, at the same point, as `torchloom.checkpoint.store.write`, whose asynchronous half this is:
+    ``main_states`` are its parts' main states by file, ``base`` the manifest's start); return at once. The state is
+    first checked finite, before anything is copied (`torchloom.checkpoint.entries.checked_states`): ``None`` when
+    it is not and ``nonfinite_loss`` is ``"skip"`` / ``"ignore"`` (nothing written, a warning).
 
     Raises:
         TaskError: the model weights, the optimizer state or a plugin's state are not finite on some process
@@ -212,19 +224,19 @@ def start_async_save(directory: str, request: SaveRequest) -> PendingCheckpoint 
         CheckpointError: ``directory`` exists; the run's model cannot be saved this way (`check_supported`).
         PluginError: a plugin's ``state_dict()`` returned something outside the state contract.
     """
-    accelerator = request.accelerator
+    accelerator = entries.model_files().accelerator
     check_supported(accelerator)
-    encoded = checked_plugin_states(request, list(request.plugins), own=True)
+    encoded = checked_states(entries, accelerator, step, nonfinite_loss, skipped, own=True)
     if encoded is None:
         return None
     final, tmp = claim_directory(directory, accelerator)
-    writer = _Writer(tmp, accelerator, request.agreement)
+    writer = _Writer(tmp, accelerator, agreement)
     main = writer.main
     (writer.tmp / "accelerate").mkdir(parents=True, exist_ok=True)
     try:
-        writer.parts = snapshot(writer, request, encoded)
+        writer.parts = snapshot(writer, entries, main_states, encoded)
         if main:
-            writer.base = request.manifest_base()
+            writer.base = base()
     except BaseException:
         if main:
             shutil.rmtree(writer.tmp, ignore_errors=True)
@@ -234,11 +246,14 @@ def start_async_save(directory: str, request: SaveRequest) -> PendingCheckpoint 
 
 
 def snapshot(
-    writer: _Writer, request: SaveRequest, plugins: list[tuple[str, Any, dict[str, torch.Tensor]]] | None = None
+    writer: _Writer,
+    entries: Sorted,
+    main_states: dict[str, dict[str, Any]],
+    plugins: list[tuple[str, Any, dict[str, torch.Tensor]]],
 ) -> dict[str, Any]:
     """The host copies of everything this process's part of the checkpoint holds (main thread); ``plugins``: the
-    plugins' states already encoded (`torchloom.checkpoint.store.checked_plugin_states`), else encoded here."""
-    accelerator = request.accelerator
+    plugins' states already encoded (`torchloom.checkpoint.entries.checked_states`)."""
+    accelerator = entries.model_files().accelerator
     # The processes that Accelerate's `save` writes on: the main one (each node's with save_on_each_node)
     shared = accelerator.is_local_main_process if writer.save_on_each_node else accelerator.is_main_process
     weights = [accelerator.get_state_dict(m, unwrap=False) for m in accelerator._models]
@@ -259,11 +274,10 @@ def snapshot(
         "step": accelerator.step,
     }
     main = writer.main
-    own, mine = request.engine_parts(), request.process_part()
-    encoded = plugins if plugins is not None else encode_plugin_state(request.plugins, is_main_process=main, own=True)
-    parts["plugins"] = encoded
+    own = [holding(stem, state) for stem, state in main_states.items()]
+    parts["plugins"] = plugins
     parts["engine"] = encode_plugin_state(own, is_main_process=main, own=True)
-    parts["process"] = encode_plugin_state([mine], own=True)
+    parts["process"] = encode_plugin_state(process_files(entries, files=False), own=True)
     return parts
 
 
@@ -330,7 +344,7 @@ def write_parts(writer: _Writer) -> None:
 
     parts, tmp = writer.parts, writer.tmp
     scaler = None if parts["scaler"] is None else _Frozen(parts["scaler"])
-    with without_zip_crc32():  # the manifest's SHA-256 covers every file (checkpoint.without_zip_crc32)
+    with without_zip_crc32():  # the manifest's checksum covers every file (checkpoint.without_zip_crc32)
         save_accelerator_state(
             str(tmp / "accelerate"),
             parts["weights"],
@@ -343,7 +357,7 @@ def write_parts(writer: _Writer) -> None:
             save_on_each_node=writer.save_on_each_node,
             safe_serialization=True,
         )
-    (tmp / "accelerate" / _ACCELERATE_RANDOM_STATES.format(writer.process_index)).unlink(missing_ok=True)
+    (tmp / "accelerate" / ACCELERATE_RANDOM_STATES.format(writer.process_index)).unlink(missing_ok=True)
     for name, data in parts["loaders"]:
         atomic.write_atomically(tmp / "accelerate" / name, data)
     if writer.main:

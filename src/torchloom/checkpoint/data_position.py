@@ -18,20 +18,28 @@ A resume continues exactly where the rule allows and refuses otherwise (`resume_
 
 A sample is then never skipped and never trained twice in an epoch. (The HF Trainer and Accelerate's
 ``skip_first_batches`` count batches, which a new batch size or dataset makes point at other samples.)
+
+`DataPosition` is the fit's one object for all of it: it starts each epoch's loader (a resumed one where the
+checkpoint stopped, with the random states of the look-ahead fetch restored: `torchloom.checkpoint.fetch_states`),
+counts the batches done, holds the states of the generators the loader draws from as the epoch started, and is one
+entry of a checkpoint (`DataPosition.state_dict` / `process_state_dict` / `load_state_dict`).
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from accelerate.data_loader import SkipBatchSampler, get_sampler
-from torch.utils.data import BatchSampler
+import torch
+from accelerate.data_loader import get_sampler
 
-__all__ = ["DataOrder", "data_order", "layout_problems", "position", "resume_point", "skip_batches"]
+from torchloom._batch_limits import limited
+from torchloom._guards import stop_iteration
+from torchloom.checkpoint.fetch_states import Watch, resume_source
+from torchloom.checkpoint.random_states import set_random_states
+
+__all__ = ["DataOrder", "DataPosition", "data_generators", "data_order", "layout_problems", "position", "resume_point"]
 
 
 @dataclass(frozen=True)
@@ -158,34 +166,175 @@ def resume_point(saved: dict[str, Any], order: DataOrder) -> tuple[int, int]:
     return epoch, samples // order.total_batch_size
 
 
-def skip_batches(accelerator: Any, loader: Any, skip: int) -> Any:
-    """The training loader without the first ``skip`` batches of its epoch (a resume inside an epoch).
+class DataPosition:
+    """Where the training data of one fit stands, and how an epoch's loader starts from there.
 
-    Accelerate's ``skip_first_batches``, which reads no sample of the skipped batches: its batch sampler draws them
-    from the batch sampler and drops them, one batch of indices at a time. Where those batches are a plain
-    ``BatchSampler`` over a sampler (one process), the skipped batches' indices are dropped from the sampler's
-    order in one step instead (`_IndexSkipBatchSampler`): no batch is built, so a resume at 90 % of a long epoch
-    starts as fast as one at 10 %. The batches that follow are the same."""
-    skipped = accelerator.skip_first_batches(loader, skip)
-    sampler: Any = getattr(skipped, "batch_sampler", None)
-    if type(sampler) is SkipBatchSampler and type(sampler.batch_sampler) is BatchSampler:
-        sampler.__class__ = _IndexSkipBatchSampler
-    return skipped
+    The loop calls `start_epoch` at every epoch and iterates what it returns; `end_epoch` when the epoch ended. A
+    checkpoint keeps the main process's `state_dict` (the ``position``: `position`) and every process's
+    `process_state_dict` (its data generators' states as the epoch to resume in started, and inside an epoch the
+    random states before the look-ahead fetch: `torchloom.checkpoint.fetch_states.Watch`); `load_state_dict` takes
+    both merged (with the process's ``random_states``) and makes the next `start_epoch` continue there.
+
+    Args:
+        accelerator (`accelerate.Accelerator`): the run's.
+        loader: the prepared training dataloader.
+        limit (`int`, *optional*): the batches per epoch and process a batch limit leaves (``limit_train_batches``,
+            ``overfit_batches``, ``fast_dev_run``).
+
+    Attributes:
+        epoch (`int`): the epoch in progress, or after `load_state_dict` the one to start with.
+        batches_done (`int`): the batches of the epoch in progress done on each process (those a resume skipped
+            included): the last batch yielded is done once the next is asked for or the epoch ends.
+        finished (`bool`): the epoch in progress ran to its end (`end_epoch`).
+        generators (`dict[str, torch.Tensor]`): this process's data generators' states as the epoch started
+            (`data_generators`).
+    """
+
+    def __init__(self, accelerator: Any, loader: Any, limit: int | None = None) -> None:
+        self.accelerator, self.loader, self.limit = accelerator, loader, limit
+        self.epoch, self.batches_done, self.finished = 0, 0, False
+        self.generators: dict[str, torch.Tensor] = {}
+        self._resume: dict[str, Any] | None = None  # a loaded checkpoint's, until the first epoch starts
+        self._watch = Watch()  # the epoch's states before the look-ahead fetch, for a checkpoint
+        self._source: Any = loader  # what the epoch in progress iterates (a resumed epoch's skips batches)
+
+    def order(self) -> DataOrder:
+        """The `DataOrder` of the training data (`data_order`)."""
+        return data_order(self.loader, self.accelerator.num_processes, self.limit)
+
+    # ------------------------------------------------------------------------------------------------ epochs
+
+    def start_epoch(self, loader: Any, epoch: int) -> Iterator[tuple[int, Any]]:
+        """Start ``epoch`` of ``loader``; return the iterator of its ``(batch index, batch)`` pairs to train.
+
+        Now: the loader's epoch (its shuffle: seed + epoch), its generators' states (a resume: as the saved run
+        drew them) and, for a resume at an epoch's start, the saved random states. At the first batch asked for
+        (after ``on_train_epoch_start``): a resume skips the batches the checkpoint trained (by index) and restores
+        the random states around the look-ahead fetch (`torchloom.checkpoint.fetch_states.resume_source`)."""
+        resume, self._resume = self._resume, None
+        skip = resume["skip"] if resume else 0
+        if hasattr(loader, "set_epoch"):  # the epoch's own shuffle (seed + epoch), also in a resumed fit
+            loader.set_epoch(epoch)
+        found = data_generators(loader)
+        for name, saved in (resume["generators"] if resume else {}).items():  # as the saved run drew them
+            if name in found:
+                found[name].set_state(saved)
+        self.generators = {name: generator.get_state() for name, generator in found.items()}
+        rng = resume["random_states"] if resume else None
+        if rng is not None and skip == 0:
+            set_random_states(rng)
+            rng = None
+        self.epoch, self.batches_done, self.finished, self._source = epoch, skip, False, loader
+        return self._batches(loader, skip, rng, resume["fetch"] if resume else None)
+
+    def _batches(
+        self, loader: Any, skip: int, rng: Mapping[str, Any] | None, fetch: Mapping[str, Any] | None
+    ) -> Iterator[tuple[int, Any]]:
+        """The epoch's batches from batch ``skip``: ``rng`` (the checkpoint's random states, restored once the
+        loader started) and ``fetch`` (its `Watch.state_dict`) for a resume inside the epoch."""
+        self._watch = watch = Watch(full=bool(fetch and not fetch["first"] and "python" in fetch["states"]))
+        # A resume skips by index; the data's draws from the global generators are restored in its sampler, or it
+        # starts the loader again and fetches one batch more (`again`), untrained.
+        source, again, restoring = (
+            resume_source(self.accelerator, loader, skip, fetch, rng or {}) if skip else (loader, 0, None)
+        )
+        self._source = source
+        fresh = restoring is None and not (skip and not again)  # the loader starts from the epoch's start
+        if fresh:
+            watch.before_first()
+        # Under a batch limit the epoch ends after its last batch, which ends an open accumulation window with an
+        # optimizer step, as a whole epoch's last does.
+        for batch_idx, batch in enumerate(limited(source, self.limit, skip - again, end_of_data=True), skip - again):
+            if fresh:  # did the loader's first call (its first two fetches) move Python's or numpy's state?
+                watch.after_first()
+                fresh = False
+            if rng is not None:  # as they were when the checkpoint was saved: starting the loader drew from them
+                if restoring is None or not restoring.applied:
+                    set_random_states(rng)
+                if again:  # the batch the checkpoint trained: fetched again only for its draws, not trained
+                    rng, again = None, 0
+                    watch.before_next()
+                    continue
+                watch.continued(rng)
+                rng = None
+            self.batches_done = batch_idx + 1
+            yield batch_idx, batch
+            watch.before_next()
+        if rng is not None:  # a checkpoint of the epoch's last step: nothing left to train in it
+            set_random_states(rng)
+
+    def stop(self) -> None:
+        """The epoch in progress is left before its end (a stop): its loader is told (`stop_iteration`)."""
+        stop_iteration(self._source)
+
+    def end_epoch(self, finished: bool) -> None:
+        """The epoch in progress ended; ``finished``: it ran to its end (not cut short by a stop)."""
+        self.finished = finished
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The main process's part of a checkpoint: ``{"position": position(...)}`` of the epoch in progress (in the
+        format of `torchloom.checkpoint.plugin_state`)."""
+        return {"position": position(self.epoch, self.batches_done, self.finished, self.order())}
+
+    def process_state_dict(self) -> dict[str, Any]:
+        """This process's own part: its data generators' states as the epoch to resume in starts (the epoch in
+        progress's, or at its end the next one's: the loader's now) and, inside the epoch, the random states before
+        the look-ahead fetch (``None`` at its end)."""
+        generators = (
+            {name: g.get_state() for name, g in data_generators(self.loader).items()}
+            if self.finished
+            else dict(self.generators)
+        )
+        return {
+            "epoch_generators": generators,
+            "fetch_random_states": None if self.finished else self._watch.state_dict(),
+        }
+
+    def problems(self, manifest: Mapping[str, Any]) -> list[str]:
+        """Why this run's training data cannot continue the epoch a checkpoint (its ``manifest``) stopped in
+        (`layout_problems`; empty: it can), on another number of processes too: the position is in samples of the
+        global order."""
+        return layout_problems(manifest.get("position") or {}, self.order())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue where a checkpoint stopped: ``state`` holds what `state_dict` and `process_state_dict` returned
+        and the process's ``random_states`` (`torchloom.checkpoint.random_states`), merged; other keys are ignored.
+        The checkpoint's sampler seed is taken (every later epoch is drawn as its run drew it), and the next
+        `start_epoch` continues its position (`resume_point`).
+
+        Raises:
+            KeyError: a part is missing from ``state``.
+        """
+        saved, order = state["position"], self.order()
+        sampler, seed = get_sampler(self.loader), saved["order"]["sampler_seed"]
+        if seed is not None and hasattr(sampler, "initial_seed"):
+            sampler.initial_seed = seed  # every later epoch is drawn as the checkpoint's run drew it
+        self.epoch, skip = resume_point(saved, order)
+        self._resume = {
+            "skip": skip,
+            "random_states": state["random_states"],
+            "generators": state["epoch_generators"],
+            "fetch": state.get("fetch_random_states"),
+        }
 
 
-class _IndexSkipBatchSampler(SkipBatchSampler):
-    """Accelerate's ``SkipBatchSampler`` over a plain ``BatchSampler``: the first ``skip_batches x batch_size``
-    indices of the sampler are dropped at once (C-level ``islice``), then the rest is cut into batches as
-    ``BatchSampler`` cuts it (``drop_last`` included)."""
-
-    def __iter__(self) -> Iterator[list[int]]:
-        inner = self.batch_sampler
-        indices = iter(inner.sampler)
-        collections.deque(itertools.islice(indices, self.skip_batches * inner.batch_size), maxlen=0)
-        while batch := list(itertools.islice(indices, inner.batch_size)):
-            if len(batch) < inner.batch_size and inner.drop_last:
-                return
-            yield batch
+def data_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The generators the training loader draws from as an epoch starts, each once, by name: the shuffling
+    sampler's (Accelerate's ``synchronized_generator``: ``DataLoader(shuffle=True, generator=...)`` when ``seed`` is
+    ``None``), the DataLoader's own (its workers' base seed), and torch's global one (a sampler without a generator
+    seeds itself from it; so does the base seed then). A checkpoint keeps their states as its epoch started, so
+    that the resumed epoch draws its order again exactly before the random states are restored."""
+    found: dict[str, torch.Generator] = {}
+    for name, generator in (
+        ("sampler", getattr(loader, "synchronized_generator", None)),
+        ("dataloader", getattr(loader, "generator", None)),
+        ("torch", torch.default_generator),
+    ):
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found.values()):
+            found[name] = generator
+    return found
 
 
 def _grouping_changes(before: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:

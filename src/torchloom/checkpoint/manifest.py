@@ -1,7 +1,7 @@
 """A checkpoint's manifest (``manifest.json``): written last, with every file's size and checksum, as the step that
-publishes the checkpoint with one ``os.rename`` (`publish`, `manifest_base`, `file_entries`); read and checked
-before anything of a checkpoint is loaded (`read_manifest`, `verify_files`). What a checkpoint holds and how it is
-written and loaded is `torchloom.checkpoint.store`'s.
+publishes the checkpoint with one ``os.rename`` (`claim_directory` at the start of a write, `publish`,
+`manifest_base`, `file_entries`); read and checked before anything of a checkpoint is loaded (`read_manifest`,
+`verify_files`). What a checkpoint holds and how it is written and loaded is `torchloom.checkpoint.store`'s.
 """
 
 from __future__ import annotations
@@ -16,16 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import broadcast_object_list
 
 from torchloom._strict_json import json_dumps
 from torchloom.errors import CheckpointError
 from torchloom.rundir import atomic
 from torchloom.rundir.adapter_format import describe
+from torchloom.rundir.atomic import temporary_path
 
 __all__ = [
     "FORMAT",
     "MANIFEST",
     "VERSION",
+    "claim_directory",
     "file_entries",
     "manifest_base",
     "publish",
@@ -47,6 +50,24 @@ MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 
 # ---------------------------------------------------------------------------------------------------- writing
+
+
+def claim_directory(directory: str, accelerator: Any) -> tuple[Path, Path]:
+    """The final path of a new checkpoint and the temporary directory next to it that every process writes into
+    (the main process's, named after its pid, which it broadcasts). Every process calls it, at the same point.
+
+    Raises:
+        CheckpointError: ``directory`` exists (on every process).
+    """
+    final = Path(directory)
+    message: list[Any] = [None, os.getpid()]
+    if accelerator.is_main_process and final.exists():
+        message[0] = f"checkpoint directory {str(final)!r} already exists; checkpoints are never overwritten"
+    if accelerator.num_processes > 1:
+        broadcast_object_list(message)  # every process writes into the main process's temporary directory
+    if message[0] is not None:
+        raise CheckpointError(message[0])
+    return final, temporary_path(final, pid=message[1])
 
 
 def publish(tmp: Path, final: Path, base: dict[str, Any], known: Mapping[str, Any] | None = None) -> str | None:
@@ -113,11 +134,9 @@ def manifest_base(
     engine_state: dict[str, Any],
     metrics: Mapping[str, float],
     training: Mapping[str, Any] | None,
-    plugins: Iterable[Any] = (),
 ) -> dict[str, Any]:
-    """The manifest of a checkpoint of this state, but its ``files`` and ``plugins`` (`publish` adds them).
-
-    ``ranking``: how the enabled ``plugins`` rank the checkpoints (`ranking`), which ``ckpt_path="best"`` reads."""
+    """The manifest of a checkpoint of this state, but its ``files`` and ``plugins`` (`publish` adds them) and its
+    ``ranking`` (`torchloom.checkpoint.store.write` adds it: `ranking`)."""
     from torchloom._version import __version__
 
     unwrapped = accelerator.unwrap_model(model)
@@ -140,7 +159,6 @@ def manifest_base(
         "adapter": describe(unwrapped),
         "optimizer": {"class": type(inner).__name__, "param_groups": [len(g["params"]) for g in inner.param_groups]},
         "metrics": {k: v for k, v in metrics.items()},
-        "ranking": ranking(plugins),
         "training": dict(training or {}),
     }
 

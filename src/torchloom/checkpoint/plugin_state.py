@@ -50,7 +50,7 @@ from torchloom.errors import PluginError
 from torchloom.plugins import blame, plugin_name
 from torchloom.rundir.atomic import write_atomically
 
-__all__ = ["encode_plugin_state", "load_plugin_state", "save_plugin_state", "write_plugin_state"]
+__all__ = ["encode_plugin_state", "load_plugin_state", "save_plugin_state", "stateful_plugins", "write_plugin_state"]
 
 FORMAT = "torchloom.plugin_state"
 VERSION = 2
@@ -180,6 +180,16 @@ def load_plugin_state(plugins: Iterable[Any], directory: str | os.PathLike[str])
             blame(exc, name, "load_state_dict", f" (state from {str(root)!r})")
             raise
     return names
+
+
+def stateful_plugins(plugins: Iterable[Any]) -> dict[str, Any]:
+    """``{name: plugin}`` of the stateful plugins in ``plugins`` (both ``state_dict`` and ``load_state_dict``), in
+    order: a checkpoint's plugin entries (`torchloom.checkpoint.entries`).
+
+    Raises:
+        PluginError: two stateful plugins share a name, or a name cannot be a file name.
+    """
+    return dict(_stateful(plugins))
 
 
 # ------------------------------------------------------------------------------------------------ internals
