@@ -27,7 +27,8 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
   (`torchloom.rundir.adapter_format.describe`: method, rank, adapted modules, the base's class and SHA-256; ``None``
   without one), the optimizer's class, the stateful plugins, the logged values, the whole training up to it
   (``training``: the ``metrics.jsonl`` records written, the samples, the training and wall time, the runs its run
-  continued; see `torchloom.checkpoint.lineage`), and every file with its size and checksum (XXH3-128; SHA-256 in format 2).
+  continued; see `torchloom.checkpoint.lineage`), and every file with its size and checksum (XXH3-128; SHA-256
+  in format 2).
 
 What a checkpoint holds is one mapping, ``{name: stateful}`` (`torchloom.checkpoint.entries`: the engine's parts,
 the files Accelerate writes, the plugins), written by `write` (synchronously, or in the background:
