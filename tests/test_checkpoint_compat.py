@@ -30,7 +30,10 @@ CHECKPOINT_DIR = Path("version_0") / "checkpoints" / "step-00000003"
 
 
 def _copy(tmp_path: Path) -> Path:
+    """The stored run directory, copied. Its checkpoint has no ``plugins/`` folder: the old code wrote an empty one
+    (the run has no stateful plugin), which git does not keep; a load needs none then."""
     shutil.copytree(DATA / "version_0", tmp_path / "version_0")
+    assert not (tmp_path / CHECKPOINT_DIR / "plugins").exists()
     return tmp_path / CHECKPOINT_DIR
 
 

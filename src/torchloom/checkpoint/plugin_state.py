@@ -156,6 +156,8 @@ def load_plugin_state(plugins: Iterable[Any], directory: str | os.PathLike[str])
     stateful = list(_stateful(plugins))
     names = [name for name, _ in stateful]
     if not root.is_dir():
+        if not names and not root.exists():  # nothing to load: an empty folder that a copy dropped (git keeps none)
+            return []
         raise PluginError(f"cannot load plugin state: {str(root)!r} is not a directory")
     saved = {p.stem for pattern in ("*.json", "*.safetensors") for p in root.glob(pattern) if p.stem[:1] != "."}
     missing = [n for n in names if n not in saved]
