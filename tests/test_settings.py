@@ -93,3 +93,58 @@ def test_a_data_module_constructor_checks_its_arguments_the_same_way():
         ToyData(batch_size=2.5)
     with pytest.raises(torchloom.ConfigError, match=re.escape("ToyData: unknown setting 'batchsize'; did you mean")):
         _settings.check_arguments("ToyData", ToyData.__init__, {"batchsize": 1})
+
+
+# ------------------------------------------------- a settings class that rejects with something else (mutation)
+
+
+@dataclasses.dataclass
+class _Checked:
+    rate: float = 0.5
+    name: str = "x"
+
+    def __post_init__(self) -> None:
+        assert 0 < self.rate < 1, "rate must lie in (0, 1)"
+        if self.name == "boom":
+            raise RuntimeError()
+        if self.name == "value":
+            raise ValueError("name 'value' is taken")
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        # an assert: the class, every given value, the exception type, the failing line and its message
+        (
+            {"rate": 2.0, "name": "y"},
+            "thing: _Checked rejected the settings (rate=2.0, name='y'): AssertionError at "
+            '`assert 0 < self.rate < 1, "rate must lie in (0, 1)"`: rate must lie in (0, 1)',
+        ),
+        # an exception without a message: the type and the line only
+        (
+            {"name": "boom"},
+            "thing: _Checked rejected the settings (name='boom'): RuntimeError at `raise RuntimeError()`",
+        ),
+        # a ValueError with a message: the documented way, its message alone
+        ({"name": "value"}, "thing: name 'value' is taken"),
+    ],
+    ids=["assert", "no-message", "value-error"],
+)
+def test_a_rejection_by_the_settings_class_is_one_message_with_the_values_type_and_line(settings, expected):
+    with pytest.raises(torchloom.ConfigError) as info:
+        _settings.build_settings(_Checked, settings, "thing")
+    assert str(info.value).startswith(expected)  # (pytest adds its own explanation to the assert's message here)
+    assert str(info.value) == expected or "AssertionError" in expected
+
+
+def test_a_rejection_of_the_defaults_says_so():
+    @dataclasses.dataclass
+    class Never:
+        def __post_init__(self) -> None:
+            raise KeyError
+
+    with pytest.raises(torchloom.ConfigError) as info:
+        _settings.build_settings(Never, None, "thing")
+    assert str(info.value).startswith(
+        "thing: "
+    ) and "rejected the settings (the defaults): KeyError at `raise KeyError`" in str(info.value)
