@@ -10,8 +10,8 @@ that holds ``/tmp``); saves and baselines go to the same directory.
 
 (a) **Write throughput.** One fit; at every other optimizer step a probe plugin times a synchronous
     `torchloom.save_checkpoint` (what the ``checkpoint`` plugin does: Accelerate's ``save_state`` of the model and
-    the optimizer, the engine's and the plugins' states, every file's SHA-256 in the manifest, ``fsync`` of every
-    file, the rename) and a plain ``safetensors.torch.save_file`` of the same tensors (the model's state dict and
+    the optimizer, the engine's and the plugins' states, every file's checksum (XXH3-128) in the manifest, ``fsync`` of
+    every file, the rename) and a plain ``safetensors.torch.save_file`` of the same tensors (the model's state dict and
     every tensor of the optimizer's state) into the same directory; also that ``save_file`` followed by an
     ``fsync`` of the file. The order of the three rotates each round; every file is deleted after its round.
     Throughput = bytes written / seconds; the ratio is the checkpoint's throughput over the plain save's, paired
@@ -359,7 +359,7 @@ def format_table(result: dict[str, Any]) -> str:
         "|---|---:|---:|---:|",
     ]
     names = {
-        "checkpoint": "`torchloom.save_checkpoint` (synchronous; SHA-256 + fsync)",
+        "checkpoint": "`torchloom.save_checkpoint` (synchronous; XXH3-128 + fsync)",
         "plain": "`safetensors.torch.save_file`, same tensors",
         "plain+fsync": "`save_file` + `fsync`",
     }
