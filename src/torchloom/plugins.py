@@ -35,7 +35,6 @@ __all__ = [
     "Plugin",
     "PluginInfo",
     "build_config",
-    "capability_of",
     "enable_plugins",
     "installed_plugins",
     "plugins_with",
@@ -71,19 +70,13 @@ class Plugin:
         inactive_hooks (`frozenset[str]`): hooks the plugin implements but that its settings make no-ops: they
             are not registered, so the loop never calls them (set it on the object, in ``__init__``, from the
             settings; e.g. ``grad_accum`` with ``steps: 1``). Read once, when the engine registers the plugin.
-        divergent_replicas (`bool`): ``True`` when the plugin lets the processes' parameters and optimizer states
-            differ at a checkpoint (``local_sgd`` between two averages): a checkpoint of several processes then
-            holds each process's own (``engine/process_<rank>/replica.*``), and each process resumes from its own.
-        capabilities (`frozenset[str]`): what the plugin declares it does, so that the parts of torchloom that
-            must know (the memory estimate, ``torchloom export``, ``torchloom tune-lr``) ask for a capability and
-            never for a plugin's name (`plugins_with`); ``docs/writing-plugins.md`` says what each one promises:
-            ``"activation_checkpointing"`` and ``"adapter"`` (what its ``configure_model`` does to the model, from
-            its settings alone: the memory estimate applies it; an adapter's ``merge`` setting is what ``torchloom
-            export --merge`` turns on), ``"outside_sweeps"`` (``torchloom tune-lr``'s sweep leaves it out).
-        checkpoint_ranking (`tuple[str, str]` or ``None``): ``(monitor, mode)`` when the plugin ranks the run's
-            checkpoints by a logged value (the ``checkpoint`` plugin's ``monitor`` and ``mode``); set it on the object
-            from the settings. Each checkpoint's ``manifest.json`` records it (``"ranking": {"monitor", "mode"}``),
-            and ``ckpt_path="best"`` picks by the enabled plugins' ranking, else by the one the checkpoints recorded.
+        divergent_replicas (`bool`): ``True`` when the processes' parameters and optimizer states may differ at a
+            checkpoint (``local_sgd``): each process then saves and resumes its own (``engine/process_<rank>/``).
+        capabilities (`frozenset[str]`): what the plugin declares it does (``"activation_checkpointing"``,
+            ``"adapter"``, ``"outside_sweeps"``; ``docs/writing-plugins.md`` says what each promises), which the core
+            asks for instead of a plugin's name (`plugins_with`).
+        checkpoint_ranking (`tuple[str, str]` or ``None``): ``(monitor, mode)`` when the plugin ranks checkpoints by
+            a logged value; each manifest records it, and ``ckpt_path="best"`` picks by it.
 
     Args:
         config (`Config`, *optional*): ready-made settings; otherwise built from ``settings``.
@@ -244,11 +237,6 @@ def find_plugin(name: str, installed: Mapping[str, list[PluginInfo]] | None = No
     return registrations[0]
 
 
-def capability_of(plugin: Any, capability: str) -> bool:
-    """Whether ``plugin`` (a plugin class or object) declares ``capability`` (``Plugin.capabilities``)."""
-    return capability in (getattr(plugin, "capabilities", None) or ())
-
-
 def plugins_with(capability: str, names: Iterable[str] | None = None) -> list[tuple[str, Any]]:
     """The installed plugins that declare ``capability`` (``Plugin.capabilities``), as ``(name, object the entry
     point names)``: among ``names`` when given (those not installed left out), else among all installed ones, each
@@ -269,7 +257,7 @@ def plugins_with(capability: str, names: Iterable[str] | None = None) -> list[tu
             if names is not None:
                 raise
             continue
-        if capability_of(obj, capability):
+        if capability in (getattr(obj, "capabilities", None) or ()):
             found.append((name, obj))
     return found
 
