@@ -134,6 +134,11 @@ def images(tmp_path_factory) -> Path:
             },
         },
     }
+    return _fitted(root, config)
+
+
+def _fitted(root: Path, config: dict) -> Path:
+    """``torchloom fit`` of ``config`` (written to ``root/run.yaml``) in ``root``, which must succeed; ``root``."""
     (root / "run.yaml").write_text(yaml.safe_dump(config))
     done = run_cli("fit", "--config", "run.yaml", cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -309,10 +314,7 @@ def clips(tmp_path_factory) -> Path:
             },
         },
     }
-    (root / "run.yaml").write_text(yaml.safe_dump(config))
-    done = run_cli("fit", "--config", "run.yaml", cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return root
+    return _fitted(root, config)
 
 
 def clip_rows(root: Path, folder: Path, labels: bool | str = True) -> list[dict]:
