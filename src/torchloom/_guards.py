@@ -402,11 +402,7 @@ def nonfinite_parts(parts: Sequence[tuple[str, Iterable[torch.Tensor]]], acceler
     device = accelerator.device
     flags = []
     for _, tensors in parts:
-        bad = [
-            (~torch.isfinite(t.detach())).any().to(device)
-            for t in tensors
-            if (t.is_floating_point() or t.is_complex()) and t.numel()
-        ]
+        bad = [_nonfinite(t).to(device) for t in tensors if (t.is_floating_point() or t.is_complex()) and t.numel()]
         flags.append(torch.stack(bad).any() if bad else torch.zeros((), dtype=torch.bool, device=device))
     if not flags:
         return []
@@ -414,6 +410,23 @@ def nonfinite_parts(parts: Sequence[tuple[str, Iterable[torch.Tensor]]], acceler
     if accelerator.num_processes > 1:
         found = accelerator.reduce(found, reduction="sum")
     return [name for (name, _), count in zip(parts, found.tolist(), strict=True) if count > 0]
+
+
+#: The dtypes whose NaN and inf `_nonfinite` finds from the minimum and maximum (``torch.aminmax``).
+_MINMAX_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _nonfinite(tensor: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor, on ``tensor``'s device: whether the floating or complex ``tensor`` (numel > 0) holds a
+    NaN or an infinity. From its minimum and maximum (``torch.aminmax``: one pass that allocates nothing; a NaN
+    propagates into both, an infinity is one of them), about ten times as fast on CPU as ``isfinite(t).all()``,
+    which writes a bool tensor of ``tensor``'s size; other dtypes (float8) take that way."""
+    values = tensor.detach()
+    if values.is_complex():
+        values = torch.view_as_real(values)
+    if values.dtype not in _MINMAX_DTYPES:
+        return ~torch.isfinite(values).all()
+    return ~torch.isfinite(torch.stack(torch.aminmax(values))).all()
 
 
 def check_finite_parameters(parameters: Iterable[torch.Tensor], accelerator: Any, where: str) -> None:

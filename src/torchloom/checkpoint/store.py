@@ -46,6 +46,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,14 @@ from torchloom.checkpoint.compat import check_compatible, check_complete
 from torchloom.checkpoint.entries import Sorted, _Named, checked_states, holding, merged, process_files, sort_entries
 from torchloom.checkpoint.entries import without_zip_crc32 as without_zip_crc32
 from torchloom.checkpoint.manifest import FORMAT as FORMAT
-from torchloom.checkpoint.manifest import MANIFEST, claim_directory, manifest_base, publish, read_manifest
+from torchloom.checkpoint.manifest import (
+    MANIFEST,
+    claim_directory,
+    hash_in_background,
+    manifest_base,
+    publish,
+    read_manifest,
+)
 from torchloom.checkpoint.manifest import VERSION as VERSION
 from torchloom.checkpoint.manifest import verify_files as verify_files
 from torchloom.checkpoint.plugin_state import load_plugin_state, save_plugin_state, write_plugin_state
@@ -134,17 +142,25 @@ def write(
             nonfinite_loss=nonfinite_loss,
             skipped=skipped,
         )
-    encoded = checked_states(entries, accelerator, step, nonfinite_loss, skipped, own=False)
-    if encoded is None:
-        return None
     main = accelerator.is_main_process
     final, tmp = claim_directory(directory, accelerator)
     mine = process_files(entries)  # with this process's random states as they are now
+    hashing: Future[dict[str, Any]] | None = None
     try:
         # The processes agree on the outcome (`RankAgreement.first`): a write that failed on one fails on all
-        failure = agreement.first(_write_parts(tmp, entries, (main_states, mine), encoded, accelerator))
+        failure = agreement.first(_write_parts(tmp, lambda: _write_files(entries, tmp), accelerator))
+        if failure is None:
+            if main:  # the disk takes the large files while the state is checked
+                hashing = hash_in_background(tmp)
+            encoded = checked_states(entries, accelerator, step, nonfinite_loss, skipped, own=False)
+            if encoded is None:  # a skipped save: nothing is published
+                _discard(tmp, hashing, main)
+                return None
+            states = (main_states, mine)
+            written = _write_parts(tmp, lambda: _write_states(entries, tmp, states, encoded, accelerator), accelerator)
+            failure = agreement.first(written)
         if failure is None and main:  # every process's files are complete
-            failure = publish(tmp, final, base())
+            failure = publish(tmp, final, base(), hashing.result() if hashing is not None else None)
         if accelerator.num_processes > 1:  # no process goes on before the checkpoint exists (or failed)
             answer = [failure]
             broadcast_object_list(answer)
@@ -152,33 +168,50 @@ def write(
         if failure is not None:
             raise RunFileError(f"cannot write checkpoint {str(final)!r}: {failure}")
     except BaseException:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left on a full disk
+        _discard(tmp, hashing, main)  # nothing half-written is left on a full disk
         raise
     return str(final)
 
 
-def _write_parts(
-    tmp: Path,
+def _discard(tmp: Path, hashing: Future[Any] | None, main: bool) -> None:
+    """Remove the temporary directory of a checkpoint that is not published (main process), once the thread that
+    hashes its files (if any) is done with them."""
+    if hashing is not None:
+        wait([hashing])
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_files(entries: Sorted, tmp: Path) -> None:
+    """The `Files` entries' files (the model and the optimizer state: the large ones)."""
+    for entry in entries.files.values():
+        entry.write_files(tmp / entry.folder)
+
+
+def _write_states(
     entries: Sorted,
+    tmp: Path,
     engine: tuple[dict[str, dict[str, Any]], list[_Named]],
     encoded: list[tuple[str, Any, dict[str, torch.Tensor]]],
     accelerator: Any,
-) -> str | None:
-    """Write this process's files of a checkpoint into ``tmp``; return why a write failed (`atomic.write_failure`),
-    ``None`` when all were written; ``engine``: the main states by file and this process's files
-    (`process_files`); ``encoded``: the plugins' states (`checked_states`). Any other error propagates: it happens
-    on every rank."""
+) -> None:
+    """The plugins' states (``encoded``, `checked_states`: main process) and the engine's (``engine``: the main
+    states by file and this process's files, `process_files`)."""
     main_states, mine = engine
     main = accelerator.is_main_process
+    if main:
+        write_plugin_state(encoded, tmp / "plugins")
+    own = [holding(stem, state) for stem, state in main_states.items()]
+    save_plugin_state(own, tmp / "engine", is_main_process=main)
+    save_plugin_state(mine, tmp / "engine" / f"process_{accelerator.process_index}")
+
+
+def _write_parts(tmp: Path, writing: Callable[[], None], accelerator: Any) -> str | None:
+    """Run ``writing`` (this process's files of a checkpoint, into ``tmp``); return why a write failed
+    (`atomic.write_failure`), ``None`` when all were written. Any other error propagates: it happens on every
+    rank."""
     try:
-        for entry in entries.files.values():
-            entry.write_files(tmp / entry.folder)
-        if main:
-            write_plugin_state(encoded, tmp / "plugins")
-        own = [holding(stem, state) for stem, state in main_states.items()]
-        save_plugin_state(own, tmp / "engine", is_main_process=main)
-        save_plugin_state(mine, tmp / "engine" / f"process_{accelerator.process_index}")
+        writing()
     except Exception as exc:
         failure = atomic.write_failure(exc, tmp)
         if failure is None:
