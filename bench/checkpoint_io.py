@@ -15,7 +15,7 @@ that holds ``/tmp``); saves and baselines go to the same directory.
     every tensor of the optimizer's state) into the same directory; also that ``save_file`` followed by an
     ``fsync`` of the file. The order of the three rotates each round; every file is deleted after its round.
     Throughput = bytes written / seconds; the ratio is the checkpoint's throughput over the plain save's, paired
-    within a round. Goal: >= 0.8.
+    within a round. Goal (issue 40): >= 0.8 of ``save_file`` + ``fsync`` (both make the bytes durable).
 (b) **Stall of the step that triggers a save.** Fits with the ``checkpoint`` plugin saving every ``--every``
     optimizer steps (three saves a fit), synchronously or with ``async_save``, alternating; two probe plugins
     note the time right before and right after the checkpoint plugin's ``on_train_step_end``: the stall of a
@@ -28,8 +28,8 @@ that holds ``/tmp``); saves and baselines go to the same directory.
     rotated): a new `torchloom.Engine` and task, timed from the ``fit`` call to the first trained batch's
     ``on_train_batch_start`` (the fit is stopped there). The dataset counts its ``__getitem__`` calls: skipping
     the batches already trained must not read them (the first batch's 8 samples are read, and the 8 of the
-    batch Accelerate's loader fetches ahead: 16 at every position). Goal: the slowest position / the fastest
-    <= 1.2.
+    batch Accelerate's loader fetches ahead: 16 at every position). Goal (issue 40): the slowest position / the
+    fastest <= 1.1.
 
 Medians over rounds with min-max; the load average (``os.getloadavg``) before and after, the commit and the date
 are in the output. Not a test: nothing is asserted.
@@ -368,8 +368,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"| {label} | {a['bytes'][key] / MB:.1f} | {_range(a['seconds'][key])} | {rate} |")
     lines += [
         "",
-        f"Checkpoint / plain save_file throughput: **{_range(a['ratio'])}** (goal >= 0.8); / save_file + fsync: "
-        f"{_range(a['ratio_to_plain_fsync'])}.",
+        f"Checkpoint / save_file + fsync throughput: **{_range(a['ratio_to_plain_fsync'])}** (goal >= 0.8); / plain "
+        f"save_file (page cache only): {_range(a['ratio'])}.",
         "",
         f"(b) Stall of the step that triggers a save (every {b['every']} steps, 3 saves a fit, {b['rounds']} pairs of "
         "fits), seconds:",
@@ -397,7 +397,7 @@ def format_table(result: dict[str, Any]) -> str:
     for label, seconds in c["seconds"].items():
         ms = _range(seconds, 1000, 1)
         lines.append(f"| {label} of the epoch | {c['positions'][label]:,} | {ms} | {c['reads'][label]} |")
-    lines += ["", f"Slowest / fastest position (medians): **{c['ratio']:.2f}** (goal <= 1.2)."]
+    lines += ["", f"Slowest / fastest position (medians): **{c['ratio']:.2f}** (goal <= 1.1)."]
     return "\n".join(lines)
 
 
@@ -405,9 +405,13 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, bool]]:
     a, b, c = result["throughput"], result["stall"], result["resume"]
     reads = set(c["reads"].values())
     return [
-        ("checkpoint write throughput >= 0.8 x plain save_file", _range(a["ratio"]), a["ratio"]["median"] >= 0.8),
+        (
+            "checkpoint write throughput >= 0.8 x save_file + fsync",
+            _range(a["ratio_to_plain_fsync"]),
+            a["ratio_to_plain_fsync"]["median"] >= 0.8,
+        ),
         ("async save stall <= 0.2 x synchronous save", _range(b["ratio"]), b["ratio"]["median"] <= 0.2),
-        ("resume start-up independent of the position (max / min <= 1.2)", f"{c['ratio']:.2f}", c["ratio"] <= 1.2),
+        ("resume start-up independent of the position (max / min <= 1.1)", f"{c['ratio']:.2f}", c["ratio"] <= 1.1),
         (
             "skipping does not read the data",
             f"{', '.join(map(str, sorted(reads)))} samples read before the first batch, at every position",
@@ -419,7 +423,7 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, bool]]:
 def format_report(result: dict[str, Any]) -> str:
     """The tables, then each goal with its measured figure (what the suite's report shows)."""
     met = [f"- {goal}: {measured}: {'met' if ok else 'not met'}" for goal, measured, ok in result["goals"]]
-    return format_table(result) + "\n\nGoals (issue 27 item 5):\n\n" + "\n".join(met)
+    return format_table(result) + "\n\nGoals (issue 27 item 5, issue 40):\n\n" + "\n".join(met)
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ kept only in an epoch whose first fetches moved them, or that continues a checkp
 
 from __future__ import annotations
 
-import collections
 import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,7 +30,10 @@ from torch.utils.data import BatchSampler
 
 from torchloom.checkpoint.random_states import random_states, set_random_states
 
-__all__ = ["Watch", "resume_source", "skip_batches"]
+__all__ = ["Watch", "drop", "resume_source", "skip_batches"]
+
+#: Iterators over a sequence whose position can be set (their ``__reduce__`` / ``__setstate__``, as pickle uses them).
+_SEEKABLE: tuple[type, ...] = (type(iter([])), type(iter(())), type(iter(range(0))))
 
 
 def _cpu_states(full: bool) -> dict[str, Any]:
@@ -87,19 +89,24 @@ class Watch:
 
 class _Restoring:
     """A batch sampler that restores random states right before the fetches of the batches ``skip`` and
-    ``skip + 1`` of the one it wraps (the first two that a `SkipBatchSampler` over it passes on)."""
+    ``skip + 1`` of the one it wraps (the first two that a `SkipBatchSampler` over it passes on; an
+    `_IndexSkipBatchSampler` calls `before` itself)."""
 
     def __init__(self, inner: Any, skip: int, fetch: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
         self.inner, self.skip, self.fetch, self.saved = inner, skip, fetch, saved
         self.applied = False  # the checkpoint's states were restored before the second fetch
 
+    def before(self, passed: int) -> None:
+        """Before the batch ``passed`` (0-based) of those after the skipped ones is handed to the loader."""
+        if passed == 0:
+            _restore(self.fetch)
+        elif passed == 1:
+            set_random_states(self.saved)
+            self.applied = True
+
     def __iter__(self) -> Iterator[Any]:
         for index, batch in enumerate(self.inner):
-            if index == self.skip:
-                _restore(self.fetch)
-            elif index == self.skip + 1:
-                set_random_states(self.saved)
-                self.applied = True
+            self.before(index - self.skip)
             yield batch
 
     def __len__(self) -> int:
@@ -118,9 +125,12 @@ def resume_source(
         return loader, 1, None
     if fetch is None or fetch["first"]:  # nothing to restore batch by batch: drop the indices at once
         return skip_batches(accelerator, loader, skip), 0, None
-    source = accelerator.skip_first_batches(loader, skip)
+    source = skip_batches(accelerator, loader, skip)
     for attribute in ("batch_sampler", "sampler"):
         sampler = getattr(source, attribute, None)
+        if isinstance(sampler, _IndexSkipBatchSampler):  # drops the indices at once, restores as it passes them on
+            sampler.restoring = _Restoring(sampler.batch_sampler, skip, fetch["states"], saved)
+            return source, 0, sampler.restoring
         if isinstance(sampler, SkipBatchSampler):
             restoring = _Restoring(sampler.batch_sampler, skip, fetch["states"], saved)
             sampler.batch_sampler = restoring
@@ -146,13 +156,58 @@ def skip_batches(accelerator: Any, loader: Any, skip: int) -> Any:
 class _IndexSkipBatchSampler(SkipBatchSampler):
     """Accelerate's ``SkipBatchSampler`` over a plain ``BatchSampler``: the first ``skip_batches x batch_size``
     indices of the sampler are dropped at once (C-level ``islice``), then the rest is cut into batches as
-    ``BatchSampler`` cuts it (``drop_last`` included)."""
+    ``BatchSampler`` cuts it (``drop_last`` included); ``restoring`` (a resume that restores random states around
+    the look-ahead fetch) is told before each batch is passed on."""
+
+    restoring: _Restoring | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
         inner = self.batch_sampler
         indices = iter(inner.sampler)
-        collections.deque(itertools.islice(indices, self.skip_batches * inner.batch_size), maxlen=0)
+        drop(indices, self.skip_batches * inner.batch_size)
+        passed = 0
         while batch := list(itertools.islice(indices, inner.batch_size)):
             if len(batch) < inner.batch_size and inner.drop_last:
                 return
+            if self.restoring is not None:
+                self.restoring.before(passed)
+            passed += 1
             yield batch
+
+
+def drop(iterator: Iterator[Any], count: int) -> None:
+    """Consume the next ``count`` items of ``iterator``, as ``itertools.islice`` would, in time that does not grow
+    with ``count`` where the items come from a list, a tuple or a range (a sampler's ``__iter__`` such as torch's
+    ``RandomSampler``: ``yield from torch.randperm(n).tolist()``, and Accelerate's ``SeedableRandomSampler`` over
+    it).
+
+    A generator that delegates with ``yield from`` does nothing while the iterator it delegates to (its
+    ``gi_yieldfrom``, down the chain) yields: taking an item from the outermost one takes the next of the
+    innermost. Where the innermost is a list, tuple or range iterator, its position is moved forward at once
+    (``__setstate__``) by as many items as it has left, or ``count``; then the chain is followed again (the
+    generator may go on with another list, as ``RandomSampler`` does with ``num_samples > len(data)``). Other
+    items (a generator not started yet, or one that yields item by item) are taken one by one, up to 256 at a
+    time before the chain is looked at again.
+
+    Raises:
+        StopIteration: never; an iterator that ends before ``count`` items simply ends.
+    """
+    while count > 0:
+        inner: Any = iterator
+        while getattr(inner, "gi_yieldfrom", None) is not None:
+            inner = inner.gi_yieldfrom
+        left = inner.__length_hint__() if type(inner) in _SEEKABLE else 0
+        if left:  # the chain stands in a sequence: move its position
+            moved = min(left, count)
+            inner.__setstate__(inner.__reduce__()[2] + moved)
+            count -= moved
+            continue
+        # Not started, between two sequences, or any other iterator: a few items one by one (C-level islice)
+        taken = len(list(itertools.islice(iterator, min(count, _STEP))))
+        if taken < min(count, _STEP):
+            return
+        count -= taken
+
+
+#: How many items `drop` takes one by one before it looks for a sequence to move in again.
+_STEP = 256
