@@ -133,6 +133,22 @@ INTERNALS: tuple[Internal, ...] = (
         accessor="reset_accelerate_state",
     ),
     Internal(
+        "accelerate.state.PartialState._shared_state",
+        "sharding_on_cpu: the process group's distributed type reads as MULTI_GPU while the Accelerator is built, so "
+        "that Accelerate chooses FSDP2 for CPU processes (its choice lists GPU-like types only)",
+        (_ACC,),
+        accessor="sharding_on_cpu",
+    ),
+    Internal(
+        "accelerate.state.AcceleratorState.__init__",
+        "sharding_on_cpu: Accelerate chooses FSDP inside the branch for GPU-like distributed types, which lists "
+        "MULTI_GPU; if FSDP moves out of that branch (or MULTI_CPU joins it), the gate lifted there is not needed",
+        (_ACC,),
+        kind="source",
+        contains=("DistributedType.MULTI_GPU,", "self.distributed_type = DistributedType.FSDP"),
+        names=("sharding_on_cpu",),
+    ),
+    Internal(
         "accelerate.state.PartialState",
         "fork_launched: at exit, leave the process group to Accelerate's notebook launcher when it owns it",
         (_ACC,),

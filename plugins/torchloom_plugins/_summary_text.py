@@ -78,21 +78,32 @@ def info_lines(summary: dict[str, Any]) -> list[str]:
         lines += counts_lines(summary["this_run"], None, "this run: ", "this fit call")
         lines.append(f"resumed from {summary['resumed_from']}")
     if summary.get("parameters") is not None:
-        lines.append(sizes_line(summary["parameters"], summary["optimizer_state_bytes"]))
+        lines.append(
+            sizes_line(
+                summary["parameters"], summary["optimizer_state_bytes"], summary.get("optimizer_state_process_bytes")
+            )
+        )
     lines.append(f"run directory: {summary['run_dir']}")
     lines.append(f"model: {summary['model_dir'] or 'not saved (engine setting save_model: false)'}")
     return lines
 
 
-def sizes_line(parameters: dict[str, int], optimizer_bytes: int) -> str:
+def sizes_line(parameters: dict[str, int], optimizer_bytes: int, optimizer_process_bytes: int | None = None) -> str:
     """``parameters 134,515,008 (921,600 trainable, 0.69 %), 513 MiB; optimizer state 7.03 MiB``: the HF Trainer's
-    "Number of trainable parameters", Lightning's model summary."""
+    "Number of trainable parameters", Lightning's model summary. Where a process holds a shard (FSDP2), each size
+    is followed by what this process holds: ``513 MiB (257 MiB on this process)``."""
     total, trainable = parameters["total"], parameters["trainable"]
     share = f", {100 * trainable / total:.3g} %" if 0 < trainable < total else ""
     return (
-        f"parameters {total:,} ({trainable:,} trainable{share}), {torchloom.utils.format_bytes(parameters['bytes'])}; "
-        f"optimizer state {torchloom.utils.format_bytes(optimizer_bytes)}"
+        f"parameters {total:,} ({trainable:,} trainable{share}), "
+        f"{_held(parameters['bytes'], parameters.get('process_bytes'))}; "
+        f"optimizer state {_held(optimizer_bytes, optimizer_process_bytes)}"
     )
+
+
+def _held(whole: int, here: int | None) -> str:
+    text = torchloom.utils.format_bytes(whole)
+    return text if here is None or here == whole else f"{text} ({torchloom.utils.format_bytes(here)} on this process)"
 
 
 def counts_lines(counts: dict[str, Any], epochs: str | None, prefix: str, wall: str) -> list[str]:

@@ -535,14 +535,16 @@ class ProgressBar(torchloom.Plugin):
         }
 
     def _sizes(self) -> dict[str, Any]:
-        """The model's parameters (total, trainable, bytes as held) and the optimizer's state in bytes on this
-        process, at the end of the fit (tensor metadata only)."""
+        """The model's parameters (total, trainable, bytes as held: the whole model's and this process's) and the
+        optimizer's state in bytes (the whole state's and this process's: they differ under FSDP2, whose processes
+        each hold a shard), at the end of the fit (tensor metadata only)."""
         if self._model is None:
             return {"parameters": None, "optimizer_state_bytes": None}
         counts = torchloom.utils.count_parameters(self._model)
         return {
-            "parameters": {key: counts[key] for key in ("total", "trainable", "bytes")},
+            "parameters": {key: counts[key] for key in ("total", "trainable", "bytes", "process_bytes")},
             "optimizer_state_bytes": torchloom.utils.optimizer_state_bytes(self._optimizer),
+            "optimizer_state_process_bytes": torchloom.utils.optimizer_state_bytes(self._optimizer, per_process=True),
         }
 
     def _validate_summary(self) -> dict[str, Any]:

@@ -8,23 +8,25 @@ group, and releasing the process group when the process ends.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import gc
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import DataLoaderConfiguration, str_to_bool
+from accelerate.utils import DataLoaderConfiguration, DistributedType, str_to_bool
 
 from torchloom.config import EngineConfig
 from torchloom.errors import ConfigError, PluginError
 from torchloom.plugins import HookRelay
 
-__all__ = ["LIST_KWARGS", "build_accelerator", "note_run_failed"]
+__all__ = ["LIST_KWARGS", "build_accelerator", "note_run_failed", "restore_launch_environment"]
 
 
 #: Accelerator arguments that are lists: fragments from several plugins are concatenated, not compared.
@@ -69,18 +71,159 @@ def build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
         # Without cpu=True, Accelerate on a machine without GPUs would run every torchrun process as an
         # independent single-process job. With it, the processes form one gloo data-parallel group.
         kwargs.setdefault("cpu", True)
+    sharding = requested_sharding(kwargs, owners)
     # AcceleratorState is a per-process singleton: clear the previous run's settings (mixed precision,
     # accumulation) so that several engines can run one after another in one process. The process group
     # (PartialState) is kept.
     reset_accelerate_state()
+    _LAUNCH_ENVIRONMENT.update({key: os.environ.get(key) for key in _SHARDING_FLAGS if key not in _LAUNCH_ENVIRONMENT})
     try:
-        accelerator = Accelerator(**kwargs)
-    except (TypeError, ValueError) as exc:
-        who = ", ".join(f"{k} from {owners[k]!r}" for k in kwargs if k in owners)
-        raise ConfigError(f"cannot build the Accelerator ({who or 'defaults'}): {exc}") from None
+        try:
+            with sharding_on_cpu(kwargs, sharding):
+                accelerator = Accelerator(**kwargs)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            who = ", ".join(f"{k} from {owners[k]!r}" for k in kwargs if k in owners)
+            raise ConfigError(f"cannot build the Accelerator ({who or 'defaults'}): {exc}") from None
+        check_sharding(accelerator, sharding)
+    except BaseException:
+        restore_launch_environment()  # what the Accelerator set for the run it will not run
+        raise
     if accelerator.num_processes > 1:
         _release_process_group_at_exit()
     return accelerator
+
+
+# ----------------------------------------------------------------------------------- FSDP and DeepSpeed
+
+#: The environment flags that an ``Accelerator`` given an FSDP or DeepSpeed plugin sets for the rest of the process
+#: (``os.environ["ACCELERATE_USE_FSDP"] = "true"``) and reads while it runs (its ``clip_grad_norm_``).
+_SHARDING_FLAGS = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+#: Their values before the run's Accelerator was built (``None``: unset), until `restore_launch_environment`.
+_LAUNCH_ENVIRONMENT: dict[str, str | None] = {}
+
+
+def restore_launch_environment() -> None:
+    """Put back the sharding flags as they were before the run's Accelerator set them (the end of every run): a
+    later run, or the user's own Accelerator in the same process, is not made FSDP by an earlier run's plugin."""
+    for key, value in _LAUNCH_ENVIRONMENT.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _LAUNCH_ENVIRONMENT.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """What a run asked Accelerate for: ``kind`` (``"FSDP"`` or ``"DeepSpeed"``), FSDP's ``version`` (1 or 2;
+    ``None`` for DeepSpeed) and ``source`` (where it was asked: a plugin's ``configure_accelerator``, or the
+    environment that ``accelerate launch`` sets from its config file)."""
+
+    kind: str
+    version: int | None
+    source: str
+
+    @property
+    def name(self) -> str:
+        return f"FSDP{self.version}" if self.kind == "FSDP" else self.kind
+
+
+def requested_sharding(kwargs: dict[str, Any], owners: Mapping[str, str]) -> Sharding | None:
+    """The FSDP or DeepSpeed the run asks for, or ``None`` (plain data parallelism). FSDP from the launcher's
+    environment (``ACCELERATE_USE_FSDP``) is built into ``kwargs["fsdp_plugin"]`` here, as the ``Accelerator``
+    would build it (``FullyShardedDataParallelPlugin()`` reads the ``FSDP_*`` variables), so its version is known
+    before the Accelerator exists."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    fsdp = kwargs.get("fsdp_plugin")
+    if fsdp is None and _env_flag("ACCELERATE_USE_FSDP"):
+        kwargs["fsdp_plugin"] = fsdp = FullyShardedDataParallelPlugin()
+        owners = {**owners, "fsdp_plugin": "ACCELERATE_USE_FSDP (accelerate launch)"}
+    if isinstance(fsdp, FullyShardedDataParallelPlugin):
+        source = owners.get("fsdp_plugin", "the Accelerator settings")
+        return Sharding("FSDP", int(fsdp.fsdp_version), source)
+    for key in ("deepspeed_plugin", "deepspeed_plugins"):
+        if kwargs.get(key) is not None:
+            return Sharding("DeepSpeed", None, owners.get(key, "the Accelerator settings"))
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return Sharding("DeepSpeed", None, "ACCELERATE_USE_DEEPSPEED (accelerate launch)")
+    return None
+
+
+@contextlib.contextmanager
+def sharding_on_cpu(kwargs: Mapping[str, Any], sharding: Sharding | None) -> Iterator[None]:
+    """Let Accelerate choose FSDP2 for a group of CPU processes (gloo) while the ``Accelerator`` is built.
+
+    Accelerate (1.15) chooses FSDP only for GPU-like distributed types: ``AcceleratorState.__init__`` lists
+    ``MULTI_GPU``, ``MULTI_XPU``, ... and not ``MULTI_CPU``, so FSDP requested on CPU processes silently runs DDP.
+    torch runs FSDP2 (``fully_shard``, DTensor) on CPU with gloo, and so does Accelerate's own FSDP2 preparation
+    once it has chosen FSDP. This is the one place that lifts that gate: the process group's distributed type
+    (``PartialState``) reads as ``MULTI_GPU`` while the Accelerator is built, which then records ``FSDP`` (the
+    device stays the CPU). The proposal upstream is in docs/distributed.md.
+
+    Raises:
+        ConfigError: FSDP1 or DeepSpeed on CPU processes (FSDP1 wants an accelerator device; Accelerate skips
+            DeepSpeed under ``cpu=True``).
+    """
+    if sharding is None:
+        yield
+        return
+    state = PartialState(cpu=bool(kwargs.get("cpu", False)))
+    if state.distributed_type != DistributedType.MULTI_CPU:
+        yield
+        return
+    if sharding.kind != "FSDP" or sharding.version != 2:
+        why = (
+            "torch's FullyShardedDataParallel (FSDP1) needs an accelerator device; use FSDP2 (fsdp_version: 2)"
+            if sharding.kind == "FSDP"
+            else "Accelerate does not run DeepSpeed with cpu=True, and this torchloom does not lift that gate"
+        )
+        raise ConfigError(
+            f"{sharding.name} was requested ({sharding.source}) on {state.num_processes} CPU processes: {why}. "
+            "Without it, the run would silently be plain data parallelism (DDP)"
+        )
+    shared = PartialState._shared_state
+    shared["distributed_type"] = DistributedType.MULTI_GPU
+    try:
+        yield
+    finally:
+        if shared.get("distributed_type") == DistributedType.MULTI_GPU:  # the Accelerator was not built
+            shared["distributed_type"] = DistributedType.MULTI_CPU
+
+
+def check_sharding(accelerator: Accelerator, sharding: Sharding | None) -> None:
+    """Refuse a run whose requested FSDP or DeepSpeed did not take effect.
+
+    Raises:
+        ConfigError: Accelerate chose another distributed type (one process: FSDP and DeepSpeed need a launch of
+            several, ``torchrun --nproc_per_node N`` or ``accelerate launch --num_processes N``).
+    """
+    if sharding is None:
+        return
+    wanted = DistributedType.FSDP if sharding.kind == "FSDP" else DistributedType.DEEPSPEED
+    chosen = accelerator.distributed_type
+    if chosen == wanted:
+        return
+    hint = (
+        "it needs several processes: launch with torchrun --nproc_per_node N or accelerate launch --num_processes N"
+        if accelerator.num_processes == 1
+        else "Accelerate did not choose it for this launch"
+    )
+    raise ConfigError(
+        f"{sharding.name} was requested ({sharding.source}), but Accelerate chose {chosen.value} on "
+        f"{accelerator.num_processes} process(es): {hint}. Without it, the run would silently be "
+        f"{'one process' if accelerator.num_processes == 1 else 'plain data parallelism (DDP)'}"
+    )
+
+
+def _env_flag(name: str) -> bool:
+    """A boolean environment variable as Accelerate reads it (unset or not a boolean word: false)."""
+    try:
+        return bool(str_to_bool(os.environ.get(name, "false"), to_bool=True))
+    except ValueError:
+        return False
 
 
 _PROCESS_GROUP_RELEASE_REGISTERED = False

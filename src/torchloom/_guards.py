@@ -16,6 +16,7 @@ import torch
 from torchloom._schedule import schedule_from
 from torchloom._warn import warn
 from torchloom.errors import PluginError, TaskError
+from torchloom.parallel.dtensors import local
 
 __all__ = [
     "NEGATIVE_ITEMS",
@@ -421,7 +422,7 @@ def _nonfinite(tensor: torch.Tensor) -> torch.Tensor:
     NaN or an infinity. From its minimum and maximum (``torch.aminmax``: one pass that allocates nothing; a NaN
     propagates into both, an infinity is one of them), about ten times as fast on CPU as ``isfinite(t).all()``,
     which writes a bool tensor of ``tensor``'s size; other dtypes (float8) take that way."""
-    values = tensor.detach()
+    values = local(tensor).detach()  # a DTensor's shard: every process checks its own, the flags are summed
     if values.is_complex():
         values = torch.view_as_real(values)
     if values.dtype not in _MINMAX_DTYPES:

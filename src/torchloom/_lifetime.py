@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from torchloom._accelerator import build_accelerator, note_run_failed
+from torchloom._accelerator import build_accelerator, note_run_failed, restore_launch_environment
 from torchloom._default_step import DefaultTrainStep
 from torchloom._setup import Run, engine_relay, prepare_run, reuse_run
 from torchloom._threads import apply_num_threads
@@ -149,6 +149,8 @@ class RunStarter:
             raise failure
 
     def _restore_threads(self) -> None:
+        """The end of a call: torch's thread count and the launch environment as they were before it."""
+        restore_launch_environment()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None

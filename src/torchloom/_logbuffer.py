@@ -10,6 +10,7 @@ from torchloom._metric_sync import even_list_states, gather_states, has_list_sta
 from torchloom._names import INTERNAL_PREFIX
 from torchloom._warn import warn
 from torchloom.errors import TaskError
+from torchloom.parallel.dtensors import full
 
 __all__ = ["REDUCTIONS", "WEIGHT_PREFIX", "LogBuffer", "compute_metric"]
 
@@ -115,6 +116,7 @@ class LogBuffer:
             return
         if known is not None and known != reduce:
             raise TaskError(f"log({name!r}): logged with reduce={known!r} and reduce={reduce!r} in one interval")
+        value, weight = full(value), full(weight)  # a DTensor (a norm over FSDP2 shards) as its whole value
         for what, x in (("value", value), ("weight", weight)):
             if isinstance(x, bool) or not isinstance(x, torch.Tensor | int | float):
                 kind = type(x).__name__
