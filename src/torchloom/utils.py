@@ -1,14 +1,14 @@
 """The second public shelf: helpers a plugin may use (atomic writes, strict JSON, warnings that point at the user's
-code, byte formatting, did-you-mean, size counters, the plugins that declare a capability, reserved names and file
-names).
+code, byte formatting, did-you-mean, size counters, the shard and the whole value of a sharded (FSDP2) tensor, the
+plugins that declare a capability, reserved names and file names).
 
 The first shelf, ``torchloom``, holds the framework's model (`TaskModule`, `Engine`, the hooks, `Plugin`, the
 settings, the errors, the checkpoint and memory entry points). A built-in plugin imports only these two; a third-party
 plugin may do the same and is then as well placed as the built-ins. Names are imported when first used (PEP 562), as
 on ``torchloom``: importing this module imports neither torch nor Accelerate.
 
-Until release 0.3 each of these names but `plugins_with` (new here) also imports from ``torchloom``
-(``torchloom.warn``), with a ``DeprecationWarning`` that names its new place.
+Until release 0.3 each of these names but `plugins_with`, `full_tensor` and `local_tensor` (new here) also imports
+from ``torchloom`` (``torchloom.warn``), with a ``DeprecationWarning`` that names its new place.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ _EXPORTS = {
     "closest_name": "torchloom._suggest",
     "count_parameters": "torchloom.tools.sizes",
     "format_bytes": "torchloom._bytes",
+    "full_tensor": "torchloom.parallel.dtensors",
     "is_out_of_memory": "torchloom.step",
     "is_terminal": "torchloom._output",
     "json_dumps": "torchloom._strict_json",
+    "local_tensor": "torchloom.parallel.dtensors",
     "optimizer_state_bytes": "torchloom.tools.sizes",
     "plugins_with": "torchloom.plugins",
     "quiet_libraries": "torchloom._output",
@@ -42,9 +44,11 @@ __all__ = [
     "closest_name",
     "count_parameters",
     "format_bytes",
+    "full_tensor",
     "is_out_of_memory",
     "is_terminal",
     "json_dumps",
+    "local_tensor",
     "optimizer_state_bytes",
     "plugins_with",
     "quiet_libraries",
@@ -62,6 +66,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._strict_json import json_dumps
     from torchloom._suggest import closest_name
     from torchloom._warn import warn
+    from torchloom.parallel.dtensors import full_tensor, local_tensor
     from torchloom.plugins import plugins_with
     from torchloom.rundir.atomic import write_atomically
     from torchloom.rundir.layout import MODEL_DIR, SUMMARY_FILE

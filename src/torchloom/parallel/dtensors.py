@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["full", "is_dtensor", "local", "local_nbytes"]
+__all__ = ["full", "full_tensor", "is_dtensor", "local", "local_nbytes", "local_tensor"]
 
 
 def is_dtensor(value: Any) -> bool:
@@ -45,3 +45,8 @@ def local_nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor`` held by this process (a DTensor's local shard)."""
     part = local(tensor)
     return int(part.numel() * part.element_size())
+
+
+#: The names of `local` and `full` on ``torchloom.utils`` (a plugin's view of a sharded value).
+local_tensor = local
+full_tensor = full
