@@ -93,6 +93,12 @@ class FullyShardedDataParallelConfig:
                 f"setting 'transformer_layer_cls_to_wrap' = {names!r}; expected a non-empty list of class names, or "
                 "null (the model's _no_split_modules)"
             )
+        if self.version == 1 and not self.reshard_after_forward:
+            raise torchloom.ConfigError(
+                "setting 'reshard_after_forward' = False is an FSDP2 setting (version: 2); FSDP1 (version: 1) "
+                "chooses it through its sharding strategy (SHARD_GRAD_OP), which this plugin does not set: use "
+                "version 2, or an Accelerate config file for FSDP1"
+            )
 
 
 class FullyShardedDataParallel(torchloom.Plugin):
@@ -110,6 +116,35 @@ class FullyShardedDataParallel(torchloom.Plugin):
 
     name = "fsdp"
     Config = FullyShardedDataParallelConfig
+
+    @torchloom.hookimpl
+    def configure_model(self, model: Any) -> None:
+        """Refuse a wrap policy that matches no module of ``model`` (the model would be one FSDP unit: every
+        parameter gathered at once, no memory saved over DDP but the optimizer state)."""
+        c = self.config
+        if c.auto_wrap_policy == "transformer_based_wrap":
+            wanted = c.transformer_layer_cls_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+            found = {type(module).__name__ for module in model.modules()}
+            if not wanted:
+                raise torchloom.ConfigError(
+                    f"plugin 'fsdp': auto_wrap_policy 'transformer_based_wrap' needs the block classes to wrap: "
+                    f"{type(model).__name__} has no _no_split_modules; set transformer_layer_cls_to_wrap (its modules' "
+                    f"classes: {', '.join(sorted(found))}) or auto_wrap_policy 'size_based_wrap'"
+                )
+            missing = [name for name in wanted if name not in found]
+            if missing:
+                raise torchloom.ConfigError(
+                    f"plugin 'fsdp': transformer_layer_cls_to_wrap names {missing}, which no module of "
+                    f"{type(model).__name__} is; its modules' classes: {', '.join(sorted(found))}"
+                )
+        elif c.auto_wrap_policy == "size_based_wrap":
+            sizes = [sum(p.numel() for p in m.parameters()) for name, m in model.named_modules() if name]
+            if not any(size >= c.min_num_params for size in sizes):
+                raise torchloom.ConfigError(
+                    f"plugin 'fsdp': auto_wrap_policy 'size_based_wrap' with min_num_params {c.min_num_params:,} "
+                    f"wraps no module of {type(model).__name__} (its largest submodule has {max(sizes, default=0):,} "
+                    "parameters); lower min_num_params, or use 'no_wrap' for one unit"
+                )
 
     @torchloom.hookimpl
     def configure_accelerator(self) -> dict[str, Any]:
