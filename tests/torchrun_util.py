@@ -91,6 +91,59 @@ def torchrun(
     return [json.loads((out_dir / f"result-{rank}.json").read_text()) for rank in range(nproc)]
 
 
+def torchrun_nodes(
+    script: str, out_dir: Path, *args: str, nnodes: int = 2, nproc: int = 1, timeout: float = 300
+) -> list[Any]:
+    """Run ``tests/mp/<script>`` as ``nnodes`` torchrun "nodes" on this machine, ``nproc`` CPU processes each: one
+    launcher per node (``--nnodes``, ``--node_rank``), meeting at a static rendezvous on 127.0.0.1, as the
+    launchers of several machines meet at the first one's address. Return the per-rank results, global rank order.
+
+    Raises:
+        AssertionError: a launcher failed or hung (every launcher and its workers are then killed).
+    """
+    import socket
+
+    require_multiprocess_marker(f"torchrun --nnodes {nnodes} {script}")
+    with socket.socket() as probe:  # a free port for the rendezvous (the first node's agent binds it)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(MP_DIR), os.environ.get("PYTHONPATH", "")]),
+    }
+    for stale in out_dir.glob("result-*.json"):
+        stale.unlink()
+
+    def node_command(node: int) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}",
+            f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
+            str(MP_DIR / script), str(out_dir), *args,
+        ]  # fmt: skip
+
+    launchers = [
+        subprocess.Popen(node_command(node), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in range(nnodes)
+    ]
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for launcher in launchers:
+            outputs.append(launcher.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        for launcher in launchers:
+            kill_tree(launcher.pid)
+        raise AssertionError(f"torchrun --nnodes {nnodes} {script} hung: still running after {timeout:g} s") from None
+    for node, (launcher, (stdout, stderr)) in enumerate(zip(launchers, outputs)):
+        assert launcher.returncode == 0, (
+            f"torchrun node {node} of {script} failed ({launcher.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
+        )
+    return [json.loads((out_dir / f"result-{rank}.json").read_text()) for rank in range(nnodes * nproc)]
+
+
 def kill_tree(pid: int) -> list[int]:
     """SIGKILL the process ``pid`` and every process below it, whatever session each is in; return the
     descendants' pids."""
