@@ -1,7 +1,7 @@
 """Values that may be DTensors: the parameters, gradients and optimizer states of a sharded (FSDP2) run are
-``torch.distributed.tensor.DTensor``; each process holds its shard (`local`), the whole value exists only when
-gathered (`full`). Everything in torchloom that reads such a value goes through these, so a plain tensor and a
-DTensor give the same answer.
+``torch.distributed.tensor.DTensor``; each process holds its shard (`local_tensor`), the whole value exists only
+when gathered (`full_tensor`). Everything in torchloom that reads such a value goes through these, so a plain tensor
+and a DTensor give the same answer. Plugins reach both on ``torchloom.utils``.
 
 ``torch.distributed.tensor`` is not imported here: while no code has imported it, no value can be a DTensor.
 """
@@ -24,13 +24,13 @@ def is_dtensor(value: Any) -> bool:
     return dtensor is not None and isinstance(value, dtensor)
 
 
-def local(value: Any) -> Any:
+def local_tensor(value: Any) -> Any:
     """This process's part of ``value``: a DTensor's local shard (``to_local()``: no communication; a replicated
     DTensor's whole value, a sharded one's shard), anything else as it is."""
     return value.to_local() if is_dtensor(value) else value
 
 
-def full(value: Any) -> Any:
+def full_tensor(value: Any) -> Any:
     """The whole value of ``value``: a DTensor gathered and reduced into a plain tensor (``full_tensor()``, a
     collective when the DTensor is sharded or a partial sum: every process of its mesh calls this at the same
     point), anything else as it is.
@@ -43,10 +43,9 @@ def full(value: Any) -> Any:
 
 def local_nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor`` held by this process (a DTensor's local shard)."""
-    part = local(tensor)
+    part = local_tensor(tensor)
     return int(part.numel() * part.element_size())
 
 
-#: The names of `local` and `full` on ``torchloom.utils`` (a plugin's view of a sharded value).
-local_tensor = local
-full_tensor = full
+#: Short names for the core's own uses.
+local, full = local_tensor, full_tensor
