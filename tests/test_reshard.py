@@ -15,21 +15,38 @@ from torchloom.checkpoint.reshard import merged_log_state, reshard_problems, sou
 
 
 def test_which_checkpoints_another_number_of_processes_can_load() -> None:
-    from accelerate.utils import DistributedType
-
     plain = {"world_size": 2, "files": {"accelerate/model.safetensors": {}, "engine/process_0/process.json": {}}}
-    assert reshard_problems(plain, 1, DistributedType.NO) == []
-    assert reshard_problems(plain, 4, DistributedType.MULTI_CPU) == []
-    assert reshard_problems({**plain, "world_size": 1}, 1, DistributedType.FSDP) == []  # the same number: any
-    (sharded,) = reshard_problems(plain, 4, DistributedType.FSDP)
-    assert sharded.startswith("it was written by 2 process(es) and this run has 4, and its model and optimizer state")
-    assert "FSDP / DeepSpeed" in sharded and "resume with 2 process(es)" in sharded
-    fsdp_files = {"world_size": 2, "files": {"accelerate/pytorch_model_fsdp_0/.metadata": {}}}
-    assert len(reshard_problems(fsdp_files, 1, DistributedType.NO)) == 1  # sharded files, read on one process
+    assert reshard_problems(plain, 1, "whole") == []
+    assert reshard_problems(plain, 4, "whole") == []
+    assert reshard_problems(plain, 4, "fsdp_sharded") == []  # DDP into FSDP2: loaded through DCP
+    assert reshard_problems({**plain, "world_size": 1}, 1, None) == []  # the same number: left to Accelerate
+    (deepspeed,) = reshard_problems(plain, 4, None)
+    assert deepspeed.startswith("it was written by 2 process(es) (whole-model files) and this run has 4 (another ")
+    assert (
+        "layout torchloom does not re-shard (DeepSpeed or FSDP1)" in deepspeed and "resume with 2 process" in deepspeed
+    )
+    sharded = {"world_size": 2, "layout": "fsdp_sharded", "files": {"accelerate/pytorch_model_fsdp_0/.metadata": {}}}
+    full = {"world_size": 2, "layout": "fsdp_full", "files": {"accelerate/pytorch_model_fsdp.bin": {}}}
+    for checkpoint in (sharded, full):  # FSDP2, either state-dict type, on another count or without FSDP
+        assert reshard_problems(checkpoint, 1, "whole") == []
+        assert reshard_problems(checkpoint, 4, "fsdp_sharded") == []
+        assert reshard_problems(checkpoint, 2, "whole") == []
+    unrecorded = {key: value for key, value in sharded.items() if key != "layout"}  # FSDP1, or before "layout"
+    (old,) = reshard_problems(unrecorded, 1, "whole")
+    assert "(another layout) and this run has 1 (whole-model files)" in old and "written before torchloom" in old
+    assert reshard_problems(unrecorded, 2, "fsdp_sharded") == []
     replica = {**plain, "files": {**plain["files"], "engine/process_1/replica.safetensors": {}}}
-    (own,) = reshard_problems(replica, 1, DistributedType.NO)
+    (own,) = reshard_problems(replica, 1, "whole")
     assert "(process_1: a plugin whose processes' copies of the model differ" in own
     assert [source_rank(r, 2) for r in range(4)] == [0, 1, 0, 1] and [source_rank(r, 4) for r in range(2)] == [0, 1]
+
+
+def test_an_fsdp2_full_state_dict_checkpoint_is_not_called_sharded() -> None:
+    """Before: every FSDP checkpoint was refused on another number of processes as "sharded over the processes",
+    also one whose FULL_STATE_DICT files hold the whole state."""
+    full = {"world_size": 2, "layout": "fsdp_full", "files": {"accelerate/pytorch_model_fsdp.bin": {}}}
+    assert reshard_problems(full, 1, "whole") == []
+    assert reshard_problems(full, 3, "fsdp_full") == []
 
 
 def _buffer(values: dict[str, Any], weights: dict[str, Any], reductions: dict[str, str]) -> dict[str, Any]:
@@ -79,14 +96,13 @@ def test_the_merged_log_state_reduces_to_what_the_saved_processes_would_have(new
 
 
 def test_a_refusal_names_every_reason_in_one_line() -> None:
-    from accelerate.utils import DistributedType
-
     files = {"engine/process_0/replica.json": {}, "engine/process_1/replica.safetensors": {}}
-    (line,) = reshard_problems({"world_size": 2, "files": files}, 3, DistributedType.DEEPSPEED)
+    (line,) = reshard_problems({"world_size": 2, "files": files}, 3, None)
     assert line == (
-        "it was written by 2 process(es) and this run has 3, and its model and optimizer state are sharded over the "
-        "processes (FSDP / DeepSpeed) and each process saved its own parameters and optimizer state (process_0, "
-        "process_1: a plugin whose processes' copies of the model differ, LocalSGD or DiLoCo between two averages), "
-        "which another number of processes cannot load; resume with 2 process(es) (torchrun --nproc_per_node 2, or "
-        "accelerate launch --num_processes 2)"
+        "it was written by 2 process(es) (another layout) and this run has 3 (another layout), and its model and "
+        "optimizer are in a layout torchloom does not re-shard (DeepSpeed, FSDP1, or an FSDP checkpoint written "
+        "before torchloom recorded its layout) and each process saved its own parameters and optimizer state "
+        "(process_0, process_1: a plugin whose processes' copies of the model differ, LocalSGD or DiLoCo between two "
+        "averages), which another number of processes cannot load; resume with 2 process(es) (torchrun "
+        "--nproc_per_node 2, or accelerate launch --num_processes 2)"
     )

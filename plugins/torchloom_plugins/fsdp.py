@@ -19,6 +19,9 @@ Method card
 - **Checkpoints:** with ``state_dict_type: SHARDED_STATE_DICT`` (the default) every process writes its own shards
   (``torch.distributed.checkpoint``, through Accelerate's ``save_state``) inside torchloom's checkpoint (manifest,
   checksums, atomic rename); a resume on the same number of processes is bitwise equal to an uninterrupted run.
+  On one process, under DDP or on another number of processes, and from a one-process or DDP checkpoint,
+  ``torch.distributed.checkpoint`` re-shards the state (`torchloom.checkpoint.layouts`): the same samples, the
+  numbers within reduction order; ``torchloom export`` reads the shards whole.
 - **Sources:** Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel" (VLDB 2023); torch's
   FSDP2 (``fully_shard``, per-parameter sharding with DTensor); Accelerate's FSDP guide; torchtitan.
 

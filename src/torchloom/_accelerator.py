@@ -152,6 +152,10 @@ def requested_sharding(kwargs: dict[str, Any], owners: Mapping[str, str]) -> Sha
     return None
 
 
+#: Non-empty while the process group's distributed type is one `sharding_on_cpu` lifted (a CPU group's, MULTI_CPU).
+_LIFTED: set[str] = set()
+
+
 @contextlib.contextmanager
 def sharding_on_cpu(kwargs: Mapping[str, Any], sharding: Sharding | None) -> Iterator[None]:
     """Let Accelerate choose FSDP2 for a group of CPU processes (gloo) while the ``Accelerator`` is built.
@@ -186,6 +190,7 @@ def sharding_on_cpu(kwargs: Mapping[str, Any], sharding: Sharding | None) -> Ite
         )
     shared = PartialState._shared_state
     shared["distributed_type"] = DistributedType.MULTI_GPU
+    _LIFTED.add("distributed_type")  # AcceleratorState writes FSDP back into it: undone by reset_accelerate_state
     try:
         yield
     finally:
@@ -311,8 +316,16 @@ def _cpu_only_multiprocess_launch() -> bool:
 
 def reset_accelerate_state() -> None:
     """Clear Accelerate's per-process singletons of the previous Accelerator (its settings, its accumulation and
-    registered loaders); the process group (``PartialState``) is kept."""
-    from accelerate.state import AcceleratorState, GradientState
+    registered loaders); the process group (``PartialState``) is kept, its distributed type put back to
+    ``MULTI_CPU`` where a previous run's `sharding_on_cpu` made it FSDP."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
 
     AcceleratorState._reset_state()
     GradientState._reset_state()
+    shared = PartialState._shared_state
+    if _LIFTED and shared.get("distributed_type") in (DistributedType.FSDP, DistributedType.MULTI_GPU):
+        # A run that `sharding_on_cpu` made FSDP left FSDP in the process group's state (AcceleratorState.__init__
+        # writes its distributed type back there): the next Accelerator of this process would read FSDP without
+        # an FSDP plugin (a DDP run, or a second FSDP run, failing in prepare on ``is_fsdp2``)
+        shared["distributed_type"] = DistributedType.MULTI_CPU
+    _LIFTED.clear()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from torchloom.checkpoint.layouts import run_layout
 from torchloom.checkpoint.reshard import reshard_problems
 from torchloom.errors import CheckpointError
 from torchloom.rundir.adapter_format import describe, resume_problems
@@ -41,7 +42,7 @@ def check_compatible(
             one side only, or training data in which the checkpoint's epoch cannot be continued exactly: one
             message listing what differs.
     """
-    problems = reshard_problems(manifest, accelerator.num_processes, accelerator.distributed_type)
+    problems = reshard_problems(manifest, accelerator.num_processes, run_layout(accelerator))
     saved = {k: tuple(v) for k, v in (manifest.get("model") or {}).get("parameters", {}).items()}
     current = {name: tuple(p.shape) for name, p in accelerator.unwrap_model(model).named_parameters()}
     adapter = resume_problems(manifest.get("adapter"), describe(accelerator.unwrap_model(model)))

@@ -15,8 +15,10 @@
 - **`Files`** (a protocol): an entry that writes and reads a folder of its own, on every process (collectives
   allowed), and says which of its tensors must be finite. `AccelerateFiles` is one: the model, optimizer and loss
   scaler in Accelerate's ``save_state`` files (and, where the processes' copies differ, each process's own copy:
-  `torchloom.checkpoint.replicas`). The sharded model and optimizer states of an FSDP run, written by
-  ``torch.distributed.checkpoint``, would be a second `Files` entry: the writer and the loader need no other path.
+  `torchloom.checkpoint.replicas`); under FSDP2 the model and optimizer are Accelerate's DCP shards (or, with
+  ``FULL_STATE_DICT``, its gathered files), and a checkpoint of another layout (FSDP2 on another number of
+  processes or without FSDP, DDP into FSDP2) is loaded by the same entry through ``torch.distributed.checkpoint``
+  (`torchloom.checkpoint.layouts`).
 
 The engine's mapping (`torchloom._loop.FitLoop`) holds `AccelerateFiles`, the scheduler, `FitState`, the data
 position (`torchloom.checkpoint.data_position.DataPosition`), the log buffer, `RandomStates` and every stateful
@@ -35,12 +37,13 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from torchloom._guards import listing, nonfinite_parts, state_tensors
+from torchloom.checkpoint.layouts import LAYOUT_FILES, LAYOUT_NAMES, load_across_layouts, run_layout, saved_layout
 from torchloom.checkpoint.plugin_state import _encode, _state_of
 from torchloom.checkpoint.random_states import random_states, set_random_states
 from torchloom.checkpoint.replicas import REPLICA, load_replica, replica_state
-from torchloom.checkpoint.reshard import merged_log_state
+from torchloom.checkpoint.reshard import merged_log_state, saved_layout_of
 from torchloom.errors import CheckpointError, TaskError
-from torchloom.rundir.adapter_format import TrainableOnly
+from torchloom.rundir.adapter_format import TrainableOnly, has_adapter
 
 __all__ = [
     "AccelerateFiles",
@@ -86,9 +89,10 @@ class Files(Protocol):
 
     ``process``: the stem under ``engine/process_<rank>/`` of its process part, written when ``process_state_dict()``
     returns one (not ``None``) and loaded when the checkpoint holds it. ``finite_parts()``: ``[(what, tensors)]``
-    that a checkpoint must hold finite (`torchloom._guards.nonfinite_parts`). ``required()``: the files (relative
-    to the checkpoint) a load needs. ``check_folder`` raises `CheckpointError` before anything is loaded;
-    ``load_files`` loads (with ``load_optimizer`` false the optimizer keeps its fresh state) with the process part.
+    that a checkpoint must hold finite (`torchloom._guards.nonfinite_parts`). ``required(manifest)``: the files
+    (relative to the checkpoint) a load of the checkpoint of ``manifest`` needs. ``check_folder`` raises
+    `CheckpointError` before anything is loaded; ``load_files`` loads (with ``load_optimizer`` false the optimizer
+    keeps its fresh state) with the process part.
     """
 
     folder: str
@@ -98,7 +102,7 @@ class Files(Protocol):
 
     def process_state_dict(self) -> dict[str, Any] | None: ...
 
-    def required(self) -> list[str]: ...
+    def required(self, manifest: Mapping[str, Any]) -> list[str]: ...
 
     def write_files(self, directory: Path) -> None: ...
 
@@ -334,14 +338,22 @@ class AccelerateFiles:
         """This process's copy (`torchloom.checkpoint.replicas.replica_state`) with ``replicas``, else ``None``."""
         return replica_state(self.accelerator, self.model, self.optimizer) if self.replicas else None
 
-    def required(self) -> list[str]:
-        """Accelerate's model and optimizer files (FSDP and DeepSpeed shard theirs: not named) and the loss
-        scaler's, if any."""
+    def required(self, manifest: Mapping[str, Any]) -> list[str]:
+        """The model and optimizer files a load of the checkpoint of ``manifest`` reads: Accelerate's whole-model
+        files in this run's whole layout; a DCP folder's ``.metadata`` or FSDP2's gathered files where they are
+        loaded into another layout (`torchloom.checkpoint.layouts`); none for shards Accelerate reads in the layout
+        they were written in (their names depend on the processes); and the loss scaler's, if any."""
         from accelerate.utils import DistributedType
 
         accelerator = self.accelerator
+        stored, layout = saved_layout_of(manifest), run_layout(accelerator)
         names = []
-        if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        if stored is not None and layout is not None and stored != layout:
+            model_file, optimizer_file = LAYOUT_FILES[stored]
+            if stored == "fsdp_sharded":
+                model_file, optimizer_file = f"{model_file}/.metadata", f"{optimizer_file}/.metadata"
+            names += [f"accelerate/{model_file}", f"accelerate/{optimizer_file}"]
+        elif accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             names += ["accelerate/model.safetensors", "accelerate/optimizer.bin"]
         return names + (["accelerate/scaler.pt"] if accelerator.scaler is not None else [])
 
@@ -365,12 +377,21 @@ class AccelerateFiles:
 
     def load_files(self, directory: Path, *, load_optimizer: bool, process_state: Mapping[str, Any] | None) -> None:
         """``load_state`` from ``directory``, then this process's copy (``process_state``, if any); with
-        ``load_optimizer`` false the optimizer keeps its fresh state (``reset_optimizer``).
+        ``load_optimizer`` false the optimizer keeps its fresh state (``reset_optimizer``). A checkpoint of another
+        layout than the run's (`torchloom.checkpoint.layouts.run_layout`: FSDP2 shards on one process or DDP, a
+        DDP checkpoint in an FSDP2 run) is loaded with `torchloom.checkpoint.layouts.load_across_layouts` instead.
 
         Raises:
-            CheckpointError: a file Accelerate needs is missing, or a file holds more than tensors and plain values.
+            CheckpointError: a file Accelerate needs is missing, or a file holds more than tensors and plain values;
+                a checkpoint of another layout that does not fit the run, or of a model with an adapter.
         """
         accelerator, optimizer = self.accelerator, self.optimizer
+        stored, layout = saved_layout(directory), run_layout(accelerator)
+        if stored is not None and layout is not None and stored != layout:
+            self._load_other_layout(directory, stored, load_optimizer=load_optimizer)
+            if process_state is not None:
+                load_replica(process_state, accelerator, self.model, optimizer, load_optimizer=load_optimizer)
+            return
         fresh_optimizer = None if load_optimizer else copy.deepcopy(optimizer.state_dict())
         root = str(directory.parent)
         try:
@@ -391,6 +412,33 @@ class AccelerateFiles:
             load_replica(process_state, accelerator, self.model, optimizer, load_optimizer=fresh_optimizer is None)
         if fresh_optimizer is not None:
             optimizer.load_state_dict(fresh_optimizer)
+
+    def _load_other_layout(self, directory: Path, stored: str, *, load_optimizer: bool) -> None:
+        """The model and optimizer (and the loss scaler) of a checkpoint of layout ``stored``, another than the
+        run's (`torchloom.checkpoint.layouts.load_across_layouts`).
+
+        Raises:
+            CheckpointError: the model carries an adapter (its checkpoint holds the adapter only; loaded in the
+                layout it was written in), or the state does not fit.
+        """
+        accelerator = self.accelerator
+        if has_adapter(accelerator.unwrap_model(self.model)):
+            raise CheckpointError(
+                f"cannot resume from checkpoint {str(directory.parent)!r}: it holds {LAYOUT_NAMES[stored]} of a model "
+                f"with an adapter, and this run's layout is {LAYOUT_NAMES.get(str(run_layout(accelerator)))}; an "
+                "adapter's checkpoint loads only in the layout it was written in (the same parallelism)"
+            )
+        load_across_layouts(
+            directory,
+            stored,
+            accelerator=accelerator,
+            model=self.model,
+            optimizer=self.optimizer,
+            load_optimizer=load_optimizer,
+        )
+        scaler = directory / "scaler.pt"
+        if accelerator.scaler is not None and scaler.is_file():
+            accelerator.scaler.load_state_dict(torch.load(scaler, map_location="cpu", weights_only=True))
 
 
 @contextlib.contextmanager

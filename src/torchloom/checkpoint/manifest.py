@@ -160,6 +160,7 @@ def manifest_base(
     """The manifest of a checkpoint of this state, but its ``files`` and ``plugins`` (`publish` adds them) and its
     ``ranking`` (`torchloom.checkpoint.store.write` adds it: `ranking`)."""
     from torchloom._version import __version__
+    from torchloom.checkpoint.layouts import run_layout
 
     unwrapped = accelerator.unwrap_model(model)
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -173,6 +174,7 @@ def manifest_base(
         "world_size": accelerator.num_processes,
         "distributed_type": str(accelerator.distributed_type),
         "mixed_precision": str(accelerator.mixed_precision),
+        "layout": run_layout(accelerator),
         "model": {
             "class": f"{type(unwrapped).__module__}.{type(unwrapped).__qualname__}",
             "parameters": {name: list(p.shape) for name, p in unwrapped.named_parameters()},

@@ -16,9 +16,12 @@ where these hold, and the rest of the epoch is exactly the rest of its global or
   logged value is the one over the whole interval: a ``sum`` or a ``mean`` (sums and weights) over every saved
   process goes to the new process 0, the new maximum / minimum is over every saved process, ``last`` stays the main
   process's; the other new processes start the interval empty;
+- the model and optimizer are loaded by ``torch.distributed.checkpoint`` into the new run's layout, whatever it is
+  (one process, DDP, FSDP2 on any number of processes: `torchloom.checkpoint.layouts`);
 - refused, with one message naming both counts, where each process saved state of its own that another number of
-  processes cannot take (`reshard_problems`): the model and optimizer shards of FSDP / DeepSpeed, and the own
-  parameters and optimizer states of a plugin whose processes' copies differ (LocalSGD, DiLoCo: ``replica``).
+  processes cannot take (`reshard_problems`): the model and optimizer of DeepSpeed / FSDP1 (layouts torchloom does
+  not re-shard), and the own parameters and optimizer states of a plugin whose processes' copies differ (LocalSGD,
+  DiLoCo: ``replica``).
 
 The HF Trainer and Lightning resume on any number of devices too, counting the batches to skip as batches of the new
 run (which then points at other samples); torchtitan re-shards with ``torch.distributed.checkpoint``.
@@ -31,41 +34,68 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
 
 from torchloom.checkpoint.replicas import REPLICA
 
-__all__ = ["merged_log_state", "reshard_problems", "source_rank"]
+__all__ = ["merged_log_state", "reshard_problems", "saved_layout_of", "source_rank"]
 
 #: What a new process that holds none of the interval's values starts each reduction with.
 _EMPTY = {"mean": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
 
 
-def reshard_problems(manifest: Mapping[str, Any], world_size: int, distributed_type: Any) -> list[str]:
-    """Why a checkpoint (its ``manifest``) cannot be resumed on ``world_size`` processes of ``distributed_type``
-    (Accelerate's `DistributedType`); empty when it can (also when the counts are the same)."""
+def reshard_problems(manifest: Mapping[str, Any], world_size: int, layout: str | None) -> list[str]:
+    """Why a checkpoint (its ``manifest``) cannot be resumed on ``world_size`` processes of the model layout
+    ``layout`` (`torchloom.checkpoint.layouts.run_layout`: ``"whole"``, ``"fsdp_sharded"``, ``"fsdp_full"``, or
+    ``None`` for DeepSpeed / FSDP1); empty when it can.
+
+    The model and optimizer of the three layouts torchloom reads are loaded into any other of them on any number of
+    processes (`torchloom.checkpoint.layouts.load_across_layouts`); a checkpoint of another layout (DeepSpeed,
+    FSDP1, or an FSDP checkpoint written before the manifest recorded its layout) is left to Accelerate's
+    ``load_state`` on the same number of processes, and refused on another.
+    """
     saved = manifest.get("world_size")
-    if saved == world_size:
-        return []
     files = manifest.get("files") or {}
+    stored = saved_layout_of(manifest)
     why = []
-    sharded = distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-    if sharded or "accelerate/model.safetensors" not in files:
-        why.append("its model and optimizer state are sharded over the processes (FSDP / DeepSpeed)")
+    layout_reason = saved != world_size and (stored is None or layout is None)
+    if layout_reason:
+        what = (
+            "its model and optimizer are in a layout torchloom does not re-shard (DeepSpeed, FSDP1, or an FSDP "
+            "checkpoint written before torchloom recorded its layout)"
+            if stored is None
+            else "this run's model and optimizer are in a layout torchloom does not re-shard (DeepSpeed or FSDP1)"
+        )
+        why.append(what)
     own = {name.split("/")[1] for name in files if name.startswith("engine/process_") and f"/{REPLICA}." in name}
     replicas = sorted(own)
-    if replicas:
+    if replicas and saved != world_size:
         why.append(
             f"each process saved its own parameters and optimizer state ({', '.join(replicas)}: a plugin whose "
             "processes' copies of the model differ, LocalSGD or DiLoCo between two averages)"
         )
     if not why:
         return []
+    shown = {"whole": "whole-model files", "fsdp_sharded": "FSDP2 shards", "fsdp_full": "FSDP2 whole-state files"}
+    layouts = ["", ""]
+    if layout_reason:  # the layouts are part of why
+        layouts = [f" ({shown.get(str(stored), 'another layout')})", f" ({shown.get(str(layout), 'another layout')})"]
     return [
-        f"it was written by {saved} process(es) and this run has {world_size}, and {' and '.join(why)}, which another "
-        f"number of processes cannot load; resume with {saved} process(es) (torchrun --nproc_per_node {saved}, or "
-        f"accelerate launch --num_processes {saved})"
+        f"it was written by {saved} process(es){layouts[0]} and this run has {world_size}{layouts[1]}, and "
+        f"{' and '.join(why)}, which another number of processes cannot load; resume with {saved} process(es) "
+        f"(torchrun --nproc_per_node {saved}, or accelerate launch --num_processes {saved})"
     ]
+
+
+def saved_layout_of(manifest: Mapping[str, Any]) -> str | None:
+    """The layout of a checkpoint's model and optimizer (`torchloom.checkpoint.layouts.saved_layout`): whole-model
+    files are known by their names; FSDP2's only where the manifest records it (``layout``, since this torchloom),
+    since FSDP1's sharded files have the same names."""
+    from torchloom.checkpoint.layouts import saved_layout
+
+    found = saved_layout(manifest.get("files") or {})
+    if found == "whole":
+        return found
+    return found if found is not None and manifest.get("layout") == found else None
 
 
 def source_rank(rank: int, saved_world_size: int) -> int:

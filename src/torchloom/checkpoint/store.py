@@ -19,10 +19,13 @@ A checkpoint directory (``<run_dir>/checkpoints/step-00000120``) holds:
   plugin with ``divergent_replicas``: LocalSGD, DiLoCo), also that process's own parameters, optimizer state and loss
   scaler (``replica``, `torchloom.checkpoint.replicas`), which it loads over Accelerate's main-process files.
   Resumed on another number of processes, each process loads saved process ``rank mod W``'s part, with the
-  partial log sums merged over all of them (`torchloom.checkpoint.reshard`).
+  partial log sums merged over all of them (`torchloom.checkpoint.reshard`); the model and optimizer of another
+  layout (FSDP2 shards on one process or DDP, a DDP checkpoint in FSDP2) through ``torch.distributed.checkpoint``
+  (`torchloom.checkpoint.layouts`).
 - ``plugins/``: the ``state_dict`` of every stateful plugin (LocalSGD's counter, early stopping, EMA weights,
   metric bests): JSON and safetensors.
 - ``manifest.json``, written last: the format and version, the step, the data position, the world size, the
+  layout of the model's files (`torchloom.checkpoint.layouts.run_layout`), the
   model's parameter names and shapes and its count of trainable parameters, its adapter
   (`torchloom.rundir.adapter_format.describe`: method, rank, adapted modules, the base's class and SHA-256; ``None``
   without one), the optimizer's class, the stateful plugins, the logged values, the whole training up to it
@@ -286,7 +289,7 @@ def _required(entries: Sorted, manifest: Mapping[str, Any], accelerator: Any) ->
     stems += [f"engine/process_{rank}/{stem}" for rank in ranks for stem in entries.stems("process")]
     stems += [f"plugins/{name}" for name in entries.plugins]
     names = [f"{stem}.{suffix}" for stem in stems for suffix in ("json", "safetensors")]
-    return names + [name for entry in entries.files.values() for name in entry.required()]
+    return names + [name for entry in entries.files.values() for name in entry.required(manifest)]
 
 
 def _read_engine(

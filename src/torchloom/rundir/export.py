@@ -302,7 +302,9 @@ def recorded_ranking(manifests: Iterable[Mapping[str, Any]]) -> tuple[str, str] 
 def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:
     """Load what `resolve_weights` found into ``model`` (unwrapped), in place.
 
-    A checkpoint's weights are ``accelerate/model.safetensors`` (the first model Accelerate saved); a ``module.``
+    A checkpoint's weights are ``accelerate/model.safetensors`` (the first model Accelerate saved), or an FSDP2
+    checkpoint's model (its DCP shards read whole on this one process, or its gathered ``pytorch_model_fsdp.bin``:
+    `torchloom.checkpoint.layouts.full_model_state`); a ``module.``
     prefix (DDP) or ``_orig_mod.`` prefix (``torch.compile``) on every key is removed first. Tied weights, stored
     once, are loaded through the name the file keeps; the checkpoint of a model with an adapter holds its trainable
     parameters only (the frozen base is the one the task built). An exported model is loaded with
@@ -310,8 +312,8 @@ def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:
     a model that has no adapter).
 
     Raises:
-        CheckpointError: the checkpoint holds no single-file weights (FSDP / DeepSpeed shards), or they do not fit
-            ``model`` (missing, unexpected or differently shaped keys).
+        CheckpointError: the checkpoint holds no model torchloom reads (DeepSpeed's or FSDP1's files), or its weights
+            do not fit ``model`` (missing, unexpected or differently shaped keys).
         ConfigError: an exported model that does not fit ``model``.
     """
     if kind == "model" and is_adapter_dir(path):  # peft's format: injected first when the model has no adapter
@@ -325,15 +327,9 @@ def load_weights(model: torch.nn.Module, kind: str, path: str) -> None:
 
         TaskModule.load_model(model, path)
         return
-    file = Path(path) / "accelerate" / "model.safetensors"
-    if not file.is_file():
-        raise CheckpointError(
-            f"checkpoint {path!r} holds no accelerate/model.safetensors (the weights of a sharded FSDP or DeepSpeed "
-            "fit are not one file); predict loads single-file weights only"
-        )
-    from safetensors.torch import load_file
+    from torchloom.checkpoint.layouts import full_model_state
 
-    state = load_file(str(file))
+    state = full_model_state(Path(path) / "accelerate")  # whole files, or FSDP2's shards read whole
     expected = model.state_dict()
     for prefix in ("module.", "_orig_mod."):
         if state and all(k.startswith(prefix) for k in state) and not any(k.startswith(prefix) for k in expected):
