@@ -191,6 +191,15 @@ def sharding_on_cpu(kwargs: Mapping[str, Any], sharding: Sharding | None) -> Ite
     finally:
         if shared.get("distributed_type") == DistributedType.MULTI_GPU:  # the Accelerator was not built
             shared["distributed_type"] = DistributedType.MULTI_CPU
+        elif shared.get("distributed_type") == DistributedType.FSDP:
+            # The Accelerator wrote FSDP into the process group's state: `reset_accelerate_state` puts MULTI_CPU
+            # back before the next run's Accelerator is built in this process (which would otherwise find FSDP
+            # there without an FSDP plugin of its own)
+            _LIFTED_ON_CPU.append(True)
+
+
+#: Non-empty while the process group's state reads FSDP because `sharding_on_cpu` let an Accelerator choose it.
+_LIFTED_ON_CPU: list[bool] = []
 
 
 def check_sharding(accelerator: Accelerator, sharding: Sharding | None) -> None:
@@ -311,8 +320,14 @@ def _cpu_only_multiprocess_launch() -> bool:
 
 def reset_accelerate_state() -> None:
     """Clear Accelerate's per-process singletons of the previous Accelerator (its settings, its accumulation and
-    registered loaders); the process group (``PartialState``) is kept."""
+    registered loaders); the process group (``PartialState``) is kept, with its distributed type ``MULTI_CPU`` again
+    where an earlier run's Accelerator recorded ``FSDP`` there on CPU processes (`sharding_on_cpu`)."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state()
     GradientState._reset_state()
+    if _LIFTED_ON_CPU:  # an earlier run's FSDP on CPU processes: the group's own type again (sharding_on_cpu)
+        shared = PartialState._shared_state
+        if shared.get("distributed_type") == DistributedType.FSDP:
+            shared["distributed_type"] = DistributedType.MULTI_CPU
+        _LIFTED_ON_CPU.clear()
