@@ -40,7 +40,12 @@ from torchloom.checkpoint.random_states import random_states, set_random_states
 from torchloom.checkpoint.replicas import REPLICA, load_replica, replica_state
 from torchloom.checkpoint.reshard import merged_log_state
 from torchloom.errors import CheckpointError, TaskError
-from torchloom.rundir.adapter_format import TrainableOnly
+from torchloom.rundir.adapter_format import (
+    TrainableOnly,
+    load_sharded_trainable,
+    save_sharded_trainable,
+    sharded_adapter,
+)
 
 __all__ = [
     "AccelerateFiles",
@@ -311,8 +316,10 @@ class LogBufferState:
 class AccelerateFiles:
     """The model, the optimizer and the fp16 loss scaler in ``accelerate/``, as `accelerate.Accelerator.save_state`
     writes them (of a model with an adapter injected in place, only its trainable parameters:
-    `torchloom.rundir.adapter_format.TrainableOnly`), and with ``replicas`` (processes whose copies differ)
-    each process's own copy in ``engine/process_<rank>/replica`` (`torchloom.checkpoint.replicas`).
+    `torchloom.rundir.adapter_format.TrainableOnly`; sharded by FSDP, the adapter gathered into
+    ``model.safetensors`` and the optimizer's shards: `torchloom.rundir.adapter_format.save_sharded_trainable`),
+    and with ``replicas`` (processes whose copies differ) each process's own copy in
+    ``engine/process_<rank>/replica`` (`torchloom.checkpoint.replicas`).
 
     Args:
         accelerator (`accelerate.Accelerator`), model (`torch.nn.Module`), optimizer: the prepared run's.
@@ -341,13 +348,18 @@ class AccelerateFiles:
 
         accelerator = self.accelerator
         names = []
-        if accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        if sharded_adapter(accelerator, self.model):  # the adapter, gathered: one file (the optimizer: shards)
+            names.append("accelerate/model.safetensors")
+        elif accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             names += ["accelerate/model.safetensors", "accelerate/optimizer.bin"]
         return names + (["accelerate/scaler.pt"] if accelerator.scaler is not None else [])
 
     def write_files(self, directory: Path) -> None:
         """``save_state`` into ``directory`` (every process), without its pickle of random states."""
         accelerator = self.accelerator
+        if sharded_adapter(accelerator, self.model):  # FSDP: the adapter alone, not the base's shards
+            save_sharded_trainable(accelerator, self.model, self.optimizer, directory)
+            return
         with TrainableOnly(accelerator), without_zip_crc32():  # an adapted model: its adapter only, not its base
             accelerator.save_state(str(directory), safe_serialization=True)
         (directory / ACCELERATE_RANDOM_STATES.format(accelerator.process_index)).unlink(missing_ok=True)
@@ -371,6 +383,9 @@ class AccelerateFiles:
             CheckpointError: a file Accelerate needs is missing, or a file holds more than tensors and plain values.
         """
         accelerator, optimizer = self.accelerator, self.optimizer
+        if sharded_adapter(accelerator, self.model):  # FSDP: the adapter into the shards, the base kept
+            load_sharded_trainable(accelerator, self.model, optimizer, directory, load_optimizer=load_optimizer)
+            return
         fresh_optimizer = None if load_optimizer else copy.deepcopy(optimizer.state_dict())
         root = str(directory.parent)
         try:
