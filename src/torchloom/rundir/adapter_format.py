@@ -10,6 +10,11 @@ what ``PeftModel.save_pretrained`` writes, and nothing of the frozen base:
 
 ``PeftModel.from_pretrained(base, folder)`` loads it onto the base with plain ``peft``; `load_adapter` loads it back
 into a model here (``predict`` from an adapter folder). ``peft`` is imported only when an adapter is saved or loaded.
+
+Checkpoints of an adapted model hold its trainable parameters and persistent buffers only (`saved_names`):
+`TrainableOnly` filters Accelerate's ``save_state`` / ``load_state``; a model sharded by FSDP is written and loaded
+by `save_sharded_trainable` / `load_sharded_trainable` (the adapter gathered into one file, the optimizer's shards),
+and its base's hash is taken before it is sharded (`remember_base`).
 """
 
 from __future__ import annotations
