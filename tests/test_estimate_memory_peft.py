@@ -41,7 +41,7 @@ def adapted(settings: dict[str, Any], config: Any = None) -> torch.nn.Module:
     """A real model with the plugin's adapter (and quantised base) applied, as at run set-up."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config or llama_config())
-    Peft(**settings).configure_model(model)
+    Peft(**settings).configure_model(model, accelerator=None)  # as the memory estimate calls it
     return model
 
 

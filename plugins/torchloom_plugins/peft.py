@@ -57,7 +57,15 @@ import torchloom
 from torchloom import ConfigError
 from torchloom.utils import closest_name
 
-__all__ = ["Peft", "PeftPluginConfig", "apply_adapter", "merged_copy", "quantize_linear_layers"]
+__all__ = [
+    "Peft",
+    "PeftPluginConfig",
+    "apply_adapter",
+    "is_sharded",
+    "merged_copy",
+    "quantize_linear_layers",
+    "whole_copy",
+]
 
 BIASES = ("none", "all", "lora_only")
 QUANT_TYPES = ("nf4", "fp4")
@@ -409,13 +417,14 @@ def apply_adapter(model: torch.nn.Module, settings: PeftPluginConfig) -> list[st
     ]
 
 
-def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+def merged_copy(model: torch.nn.Module, *, in_place: bool = False) -> torch.nn.Module:
     """A copy of ``model`` with its adapter merged into the base weights (``W + (alpha / r) B A``) and every peft
-    layer replaced by its base layer: an ordinary model of the base's class. ``model`` is not changed."""
+    layer replaced by its base layer: an ordinary model of the base's class. ``model`` is not changed, unless
+    ``in_place`` (then it is the one merged and returned: for a copy made to be merged, `whole_copy`'s)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
-    merged = copy.deepcopy(model)
+    merged = model if in_place else copy.deepcopy(model)
     layers = [
         (name, module)
         for name, module in merged.named_modules()
@@ -436,6 +445,50 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     merged.__dict__.pop("peft_config", None)
     merged.requires_grad_(True)
     return merged
+
+
+def is_sharded(accelerator: Any) -> bool:
+    """Whether the run shards the model (Accelerate's distributed type ``FSDP``: its parameters are DTensor shards);
+    ``False`` without an accelerator (``None``: the memory estimate's model, never prepared)."""
+    kind = getattr(accelerator, "distributed_type", None)
+    return getattr(kind, "value", kind) == "FSDP"
+
+
+def _task_class(model: torch.nn.Module) -> type:
+    """The class the task built ``model`` as: FSDP2's ``fully_shard`` gives it a subclass of its own (``FSDP<Name>``,
+    which refuses ``deepcopy``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def whole_copy(model: torch.nn.Module, is_main_process: bool) -> torch.nn.Module | None:
+    """An unsharded copy of a sharded (FSDP) adapted transformers ``model``, on the main process (the others get
+    ``None``): the task's class built from ``model.config`` on the meta device, the same adapter injected, and every
+    ``state_dict`` value's whole value (`torchloom.utils.full_tensor`) assigned to it. A collective: every process
+    calls it at the same point; the whole model is gathered on the main process (what a merged model holds anyway).
+
+    Args:
+        model (`torch.nn.Module`): the unwrapped, sharded model with its adapter (a transformers ``PreTrainedModel``).
+        is_main_process (`bool`): whether this process keeps the whole values and builds the copy.
+    """
+    from peft import inject_adapter_in_model
+
+    from torchloom.utils import full_tensor
+
+    state = {}
+    for name, value in model.state_dict().items():  # the same order on every process: one gather each
+        whole = full_tensor(value)
+        if is_main_process:
+            state[name] = whole.detach().cpu()
+    if not is_main_process:
+        return None
+    configs: Any = model.peft_config
+    with torch.device("meta"):
+        plain = _task_class(model)(model.config)
+    inject_adapter_in_model(copy.deepcopy(configs["default"]), plain, adapter_name="default")
+    plain.load_state_dict(state, strict=True, assign=True)
+    return plain
 
 
 # ------------------------------------------------------------------------------------------------- plugin
@@ -481,16 +534,48 @@ class Peft(torchloom.Plugin):
             )
 
     @torchloom.hookimpl
-    def configure_model(self, model: torch.nn.Module) -> None:
+    def configure_model(self, model: torch.nn.Module, accelerator: Any) -> None:
+        self.check_sharding(model, accelerator)
         self.adapted = apply_adapter(model, self.config)
+
+    def check_sharding(self, model: torch.nn.Module, accelerator: Any) -> None:
+        """Refuse, before anything is changed, what this plugin does not do under FSDP.
+
+        Raises:
+            ConfigError: a 4-bit or 8-bit base under FSDP on CPU processes (bitsandbytes' quantised weights are
+                not sharded there: Accelerate leaves them out of FSDP2's sharding); ``merge`` under FSDP with a
+                model that is not a transformers model (the merged copy is built from its ``config``).
+        """
+        if not is_sharded(accelerator):
+            return
+        bits = "load_in_4bit" if self.config.load_in_4bit else "load_in_8bit" if self.config.load_in_8bit else None
+        if bits and getattr(accelerator.device, "type", None) == "cpu":
+            raise ConfigError(
+                f"plugin 'peft': setting {bits!r} = True under FSDP (plugin 'fsdp') on CPU processes: bitsandbytes' "
+                "quantised weights are sharded by FSDP only on GPUs (QLoRA with FSDP stores them in a floating "
+                "quant_storage); on CPU processes Accelerate leaves them out of the sharding, and this torchloom "
+                f"does not run it. Expected {bits}: false under fsdp on CPU (LoRA on the full-precision base), or "
+                "no fsdp plugin (data parallelism)"
+            )
+        if self.config.merge and not callable(getattr(model, "save_pretrained", None)):
+            raise ConfigError(
+                f"plugin 'peft': setting 'merge' = True under FSDP (plugin 'fsdp') needs a transformers model (the "
+                f"merged copy of a sharded model is built from its config); {type(model).__name__} is not one. "
+                "Expected merge: false (export the checkpoint with torchloom export --merge on one process instead)"
+            )
 
     @torchloom.hookimpl
     def on_save_model(self, directory: str, model: torch.nn.Module, accelerator: Any) -> None:
         if not self.config.merge:
             return
         unwrapped = accelerator.unwrap_model(model)
-        if accelerator.is_main_process:
-            merged = merged_copy(unwrapped)
+        main = accelerator.is_main_process
+        if is_sharded(accelerator):  # the whole values gathered (every process), merged on the main process
+            whole = whole_copy(unwrapped, main)
+            merged = merged_copy(whole, in_place=True) if whole is not None else None
+        else:
+            merged = merged_copy(unwrapped) if main else None
+        if merged is not None:
             target = os.path.join(directory, "merged")
             save_pretrained: Any = getattr(merged, "save_pretrained", None)
             if callable(save_pretrained):

@@ -28,6 +28,7 @@ from torchloom.config import EngineConfig
 from torchloom.errors import ConfigError, PluginError, TaskError
 from torchloom.module import TaskModule
 from torchloom.plugins import HookRelay
+from torchloom.rundir.adapter_format import remember_base
 from torchloom.rundir.runfiles import start_run_files
 
 __all__ = ["Run", "check_validation_step", "engine_relay", "prepare_run", "reuse_run", "sanity_check"]
@@ -99,6 +100,10 @@ def prepare_run(
         datamodule.check_model(model)  # e.g. packed data and an attention that would mix its sequences
     task.model, task.accelerator = model, accelerator
     relay.call("configure_model", model=model, task=task, accelerator=accelerator)
+    if accelerator.distributed_type in _SHARDED:
+        # An adapter's frozen base is hashed (the checkpoints' record of the base it needs) while it is whole: once
+        # sharded, each process holds only its shards. The same hash as an unsharded run's.
+        remember_base(model)
 
     optimizer = scheduler = None
     if stage == "fit":

@@ -11,7 +11,7 @@ import torch
 
 from torchloom._context import log_to_active_run, request_stop
 from torchloom.errors import ConfigError
-from torchloom.rundir.adapter_format import has_adapter, save_adapter
+from torchloom.rundir.adapter_format import gather_trainable, has_adapter, save_adapter, sharded_adapter
 from torchloom.rundir.layout import MODEL_CARD
 from torchloom.rundir.weight_files import check_weight_files
 
@@ -148,7 +148,8 @@ class TaskModule:
         the end of a fit writes after this) is removed: it described other weights. A model that carries
         an adapter injected in place (the ``peft`` plugin's LoRA / QLoRA) is saved as the adapter alone, in peft's own
         format (``adapter_config.json`` and ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes;
-        the frozen base is not written): load it with ``peft.PeftModel.from_pretrained(base, directory)``. Override
+        the frozen base is not written): load it with ``peft.PeftModel.from_pretrained(base, directory)``; under FSDP
+        only the adapter's values are gathered for it (`torchloom.rundir.adapter_format.gather_trainable`). Override
         to also save a tokenizer or processor.
 
         Args:
@@ -158,6 +159,15 @@ class TaskModule:
         """
         accelerator = self.accelerator
         model = accelerator.unwrap_model(self.model)
+        if sharded_adapter(accelerator, self.model):  # FSDP: the adapter's whole values only, not the base's
+            gathered = gather_trainable(self.model)  # on the main process; the others use their own shards' names
+            if accelerator.is_main_process:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, MODEL_CARD))
+            mine = gathered if accelerator.is_main_process else None
+            save_adapter(model, directory, state_dict=mine, is_main_process=accelerator.is_main_process)
+            accelerator.wait_for_everyone()
+            return
         state_dict = accelerator.get_state_dict(self.model)  # on every rank: it gathers under FSDP / DeepSpeed
         if accelerator.is_main_process:
             with contextlib.suppress(FileNotFoundError):

@@ -43,7 +43,13 @@ from torchloom.checkpoint.random_states import random_states, set_random_states
 from torchloom.checkpoint.replicas import REPLICA, load_replica, replica_state
 from torchloom.checkpoint.reshard import merged_log_state, saved_layout_of
 from torchloom.errors import CheckpointError, TaskError
-from torchloom.rundir.adapter_format import TrainableOnly, has_adapter
+from torchloom.rundir.adapter_format import (
+    TrainableOnly,
+    has_adapter,
+    load_sharded_trainable,
+    save_sharded_trainable,
+    sharded_adapter,
+)
 
 __all__ = [
     "AccelerateFiles",
@@ -315,8 +321,10 @@ class LogBufferState:
 class AccelerateFiles:
     """The model, the optimizer and the fp16 loss scaler in ``accelerate/``, as `accelerate.Accelerator.save_state`
     writes them (of a model with an adapter injected in place, only its trainable parameters:
-    `torchloom.rundir.adapter_format.TrainableOnly`), and with ``replicas`` (processes whose copies differ)
-    each process's own copy in ``engine/process_<rank>/replica`` (`torchloom.checkpoint.replicas`).
+    `torchloom.rundir.adapter_format.TrainableOnly`; sharded by FSDP, the adapter gathered into
+    ``model.safetensors`` and the optimizer's shards: `torchloom.rundir.adapter_format.save_sharded_trainable`),
+    and with ``replicas`` (processes whose copies differ) each process's own copy in
+    ``engine/process_<rank>/replica`` (`torchloom.checkpoint.replicas`).
 
     Args:
         accelerator (`accelerate.Accelerator`), model (`torch.nn.Module`), optimizer: the prepared run's.
@@ -348,7 +356,9 @@ class AccelerateFiles:
         accelerator = self.accelerator
         stored, layout = saved_layout_of(manifest), run_layout(accelerator)
         names = []
-        if stored is not None and layout is not None and stored != layout:
+        if sharded_adapter(accelerator, self.model):  # the adapter, gathered: one file (the optimizer: shards)
+            names.append("accelerate/model.safetensors")
+        elif stored is not None and layout is not None and stored != layout:
             model_file, optimizer_file = LAYOUT_FILES[stored]
             if stored == "fsdp_sharded":
                 model_file, optimizer_file = f"{model_file}/.metadata", f"{optimizer_file}/.metadata"
@@ -360,6 +370,9 @@ class AccelerateFiles:
     def write_files(self, directory: Path) -> None:
         """``save_state`` into ``directory`` (every process), without its pickle of random states."""
         accelerator = self.accelerator
+        if sharded_adapter(accelerator, self.model):  # FSDP: the adapter alone, not the base's shards
+            save_sharded_trainable(accelerator, self.model, self.optimizer, directory)
+            return
         with TrainableOnly(accelerator), without_zip_crc32():  # an adapted model: its adapter only, not its base
             accelerator.save_state(str(directory), safe_serialization=True)
         (directory / ACCELERATE_RANDOM_STATES.format(accelerator.process_index)).unlink(missing_ok=True)
@@ -386,6 +399,9 @@ class AccelerateFiles:
                 a checkpoint of another layout that does not fit the run, or of a model with an adapter.
         """
         accelerator, optimizer = self.accelerator, self.optimizer
+        if sharded_adapter(accelerator, self.model):  # FSDP: the adapter into the shards, the base kept
+            load_sharded_trainable(accelerator, self.model, optimizer, directory, load_optimizer=load_optimizer)
+            return
         stored, layout = saved_layout(directory), run_layout(accelerator)
         if stored is not None and layout is not None and stored != layout:
             self._load_other_layout(directory, stored, load_optimizer=load_optimizer)

@@ -22,7 +22,7 @@ from accelerate.utils import broadcast_object_list
 from torchloom._strict_json import json_dumps
 from torchloom.errors import CheckpointError
 from torchloom.rundir import atomic
-from torchloom.rundir.adapter_format import describe
+from torchloom.rundir.adapter_format import base_class, describe
 from torchloom.rundir.atomic import temporary_path
 
 __all__ = [
@@ -176,7 +176,7 @@ def manifest_base(
         "mixed_precision": str(accelerator.mixed_precision),
         "layout": run_layout(accelerator),
         "model": {
-            "class": f"{type(unwrapped).__module__}.{type(unwrapped).__qualname__}",
+            "class": f"{base_class(unwrapped).__module__}.{base_class(unwrapped).__qualname__}",
             "parameters": {name: list(p.shape) for name, p in unwrapped.named_parameters()},
             "trainable_parameters": sum(p.numel() for p in unwrapped.parameters() if p.requires_grad),
         },

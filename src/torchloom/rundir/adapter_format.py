@@ -10,6 +10,11 @@ what ``PeftModel.save_pretrained`` writes, and nothing of the frozen base:
 
 ``PeftModel.from_pretrained(base, folder)`` loads it onto the base with plain ``peft``; `load_adapter` loads it back
 into a model here (``predict`` from an adapter folder). ``peft`` is imported only when an adapter is saved or loaded.
+
+Checkpoints of an adapted model hold its trainable parameters and persistent buffers only (`saved_names`):
+`TrainableOnly` filters Accelerate's ``save_state`` / ``load_state``; a model sharded by FSDP is written and loaded
+by `save_sharded_trainable` / `load_sharded_trainable` (the adapter gathered into one file, the optimizer's shards),
+and its base's hash is taken before it is sharded (`remember_base`).
 """
 
 from __future__ import annotations
@@ -28,10 +33,16 @@ __all__ = [
     "ADAPTER_WEIGHTS",
     "PEFT_PREFIX",
     "adapter_config",
+    "base_class",
+    "gather_trainable",
     "has_adapter",
     "is_adapter_dir",
     "load_adapter",
+    "load_sharded_trainable",
+    "remember_base",
     "save_adapter",
+    "save_sharded_trainable",
+    "sharded_adapter",
 ]
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -147,22 +158,57 @@ def read_adapter_config(directory: str | os.PathLike[str]) -> dict[str, Any] | N
 def _base_sha256(model: torch.nn.Module) -> str:
     """SHA-256 of the frozen base: every state_dict entry that is neither a trainable parameter nor a buffer (buffers,
     such as running statistics, may change in training: a checkpoint saves them), name, dtype, shape and bytes (a
-    4-bit base's packed bytes and quantisation state included). Computed once per model object: the base is frozen."""
+    4-bit base's packed bytes and quantisation state included). Computed once per model object: the base is frozen.
+
+    Raises:
+        RuntimeError: ``model`` is sharded (FSDP2: its values are DTensors) and `remember_base` did not take the
+            hash before it was sharded (reading the whole values now would be a collective that only the main
+            process reaches).
+    """
     cached = model.__dict__.get("_torchloom_base_sha256")
     if cached is not None:
         return str(cached)
     import hashlib
+
+    from torchloom.parallel.dtensors import is_dtensor
 
     trainable = saved_names(model)
     digest = hashlib.sha256()
     for name, value in sorted(model.state_dict().items()):
         if name in trainable or not isinstance(value, torch.Tensor):
             continue
+        if is_dtensor(value):
+            raise RuntimeError(
+                f"the SHA-256 of the frozen base of {type(model).__name__} is taken before the model is sharded "
+                f"(torchloom.rundir.adapter_format.remember_base); {name!r} is a shard (DTensor) already"
+            )
         tensor = value.detach().cpu().contiguous()
         digest.update(f"{name}|{tensor.dtype}|{list(tensor.shape)}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     model.__dict__["_torchloom_base_sha256"] = value = digest.hexdigest()
     return value
+
+
+def remember_base(model: torch.nn.Module) -> None:
+    """Take the frozen base's SHA-256 (`describe`'s ``base.sha256``) now, on the whole unsharded model: before
+    ``accelerator.prepare`` shards it (FSDP2), after which each process holds only its shards. Called on every
+    process alike (no collective); a model without an adapter is left alone. The hash is the one a DDP or one-process
+    run of the same base records, so their checkpoints name the same base."""
+    if has_adapter(model):
+        _base_sha256(model)
+
+
+def base_class(model: torch.nn.Module) -> type:
+    """The class the task built ``model`` as: FSDP2's ``fully_shard`` gives a sharded module a class of its own
+    (``FSDP<Name>``, a subclass of ``FSDPModule`` and of the original); this is the original, for anything else
+    ``type(model)``."""
+    import sys
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    sharded = getattr(fsdp, "FSDPModule", None)
+    if sharded is None or not isinstance(model, sharded):
+        return type(model)
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, sharded))
 
 
 def adapted_modules(model: torch.nn.Module) -> list[str]:
@@ -194,7 +240,7 @@ def describe(model: torch.nn.Module) -> dict[str, Any] | None:
         "modules_to_save": sorted(modules_to_save) if modules_to_save else None,
         "quantization": quantization,
         "base": {
-            "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "class": f"{base_class(model).__module__}.{base_class(model).__qualname__}",
             "name_or_path": getattr(model, "name_or_path", None) or None,
             "sha256": _base_sha256(model),
         },
@@ -292,8 +338,6 @@ class TrainableOnly:
     def _load(self, models: list[Any], input_dir: str) -> None:
         from safetensors.torch import load_file
 
-        from torchloom.errors import CheckpointError
-
         for i, model in enumerate(list(models)):
             unwrapped = self.accelerator.unwrap_model(model)
             if not has_adapter(unwrapped):
@@ -301,13 +345,110 @@ class TrainableOnly:
             path = Path(input_dir) / ("model.safetensors" if i == 0 else f"model_{i}.safetensors")
             device = next((p.device for p in unwrapped.parameters() if p.requires_grad), torch.device("cpu"))
             state = {_plain_name(k): v for k, v in load_file(path, device=str(device)).items()}
-            expected = saved_names(unwrapped)
-            if set(state) != expected:
-                only_saved, only_model = sorted(set(state) - expected), sorted(expected - set(state))
-                raise CheckpointError(
-                    f"cannot resume from checkpoint: its adapter weights ({path.name}) do not match this run's "
-                    f"trainable parameters and buffers: only in the checkpoint {only_saved[:4]}, only in this run "
-                    f"{only_model[:4]}"
-                )
+            _check_saved_names(state, unwrapped, path.name)
             unwrapped.load_state_dict(state, strict=False)
             models.remove(model)  # Accelerate loads the others in full
+
+
+def _check_saved_names(state: dict[str, Any], model: torch.nn.Module, file: str) -> None:
+    """Raises: CheckpointError: ``state``'s keys are not `saved_names` of ``model`` (unwrapped)."""
+    from torchloom.errors import CheckpointError
+
+    expected = saved_names(model)
+    if set(state) != expected:
+        only_saved, only_model = sorted(set(state) - expected), sorted(expected - set(state))
+        raise CheckpointError(
+            f"cannot resume from checkpoint: its adapter weights ({file}) do not match this run's "
+            f"trainable parameters and buffers: only in the checkpoint {only_saved[:4]}, only in this run "
+            f"{only_model[:4]}"
+        )
+
+
+# ------------------------------------------------------------------------------- sharded (FSDP) checkpoints
+
+#: The adapter's file in a checkpoint's ``accelerate/`` folder, sharded run or not (Accelerate's name for a model).
+MODEL_FILE = "model.safetensors"
+
+
+def sharded_adapter(accelerator: Any, model: torch.nn.Module) -> bool:
+    """Whether ``model`` (as prepared) carries an adapter and the run shards it (Accelerate's distributed type
+    ``FSDP``): its checkpoint is then written by `save_sharded_trainable`, not by Accelerate's ``save_state``, which
+    would write every shard of the frozen base too."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP and has_adapter(accelerator.unwrap_model(model))
+
+
+def gather_trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole values of a sharded (FSDP) adapted model's trainable parameters and persistent buffers
+    (`saved_names`), on the CPU of the main process; the other processes get ``{}``. A collective: every process
+    calls it at the same point. Keys: the unwrapped model's ``state_dict`` names (``...lora_A.default.weight``).
+
+    Uses ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with ``full_state_dict``,
+    ``cpu_offload`` and ``ignore_frozen_params``: only the trainable values are gathered, never the frozen base.
+
+    Args:
+        model (`torch.nn.Module`): the prepared (sharded) model.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(model, options=options)
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def save_sharded_trainable(accelerator: Any, model: torch.nn.Module, optimizer: Any, directory: Path) -> None:
+    """Write the checkpoint files of a sharded adapted model into ``directory`` (``accelerate/``), on every process:
+    ``model.safetensors``, the whole adapter and ``modules_to_save`` (`gather_trainable`, written by the main
+    process: the file a DDP or one-process run writes, so `torchloom.rundir.export.load_weights` and ``export``
+    read it alike), and the optimizer's state as Accelerate's FSDP save writes it (``optimizer_0/``, each
+    process's shards through ``torch.distributed.checkpoint``; the optimizer holds state for the trainable
+    parameters only). Nothing of the frozen base is written.
+
+    Raises:
+        CheckpointError: the run has an fp16 loss scaler (not saved here: refused rather than resumed without it).
+    """
+    from accelerate.utils import save_fsdp_optimizer
+    from safetensors.torch import save_file
+
+    from torchloom.errors import CheckpointError
+
+    if accelerator.scaler is not None:
+        raise CheckpointError(
+            "cannot save the checkpoint: an adapter under FSDP with fp16 loss scaling (mixed_precision: fp16) is "
+            "not supported by torchloom's checkpoints; use bf16"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    state = gather_trainable(model)
+    if accelerator.is_main_process:
+        save_file({k: v.contiguous() for k, v in state.items()}, directory / MODEL_FILE, metadata={"format": "pt"})
+    save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(directory), 0)
+
+
+def load_sharded_trainable(
+    accelerator: Any, model: torch.nn.Module, optimizer: Any, directory: Path, *, load_optimizer: bool
+) -> None:
+    """Load what `save_sharded_trainable` wrote, on every process: the adapter's whole values into this process's
+    shards (``set_model_state_dict`` with ``full_state_dict``; the frozen base stays as the run built it) and, with
+    ``load_optimizer``, the optimizer's shards (Accelerate's ``load_fsdp_optimizer``).
+
+    Raises:
+        CheckpointError: ``model.safetensors`` is missing, or its keys are not this run's trainable parameters and
+            persistent buffers (another adapter).
+    """
+    from accelerate.utils import load_fsdp_optimizer
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from torchloom.errors import CheckpointError
+
+    path = directory / MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(directory.parent)!r} is incomplete: it holds no accelerate/{MODEL_FILE} (the adapter)"
+        )
+    state: dict[str, Any] = {_plain_name(k): v for k, v in load_file(path).items()}
+    _check_saved_names(state, accelerator.unwrap_model(model), path.name)
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    if load_optimizer:
+        load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(directory), 0)
