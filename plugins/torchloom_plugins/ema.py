@@ -25,7 +25,13 @@ Method card
   weights differ between synchronisations, and so do their averages: where the average is used (validation, the
   end of training, a checkpoint) the processes first replace theirs by the mean over processes, which is the
   average of the mean weights (the update is linear). The mean is computed as rank 0's value plus the mean of the
-  differences from it, so equal averages (DDP) stay bitwise unchanged.
+  differences from it, so equal averages (DDP) stay bitwise unchanged. Under FSDP2 the shadow tensors are
+  DTensors laid out as the parameters: each process keeps and updates the average of its own shard (there is
+  nothing to average over processes), writes it into the sharded parameters for a validation and puts the trained
+  shards back. The model is resharded before each write (``torchloom.utils.reshard_module``): FSDP2 leaves the
+  root module's parameters gathered after a forward without a backward, and the next training forward would run
+  on them. A checkpoint holds the whole average (the plugin-state encoder gathers it); a resume gives each process
+  its shard (tests/test_fsdp_plugins.py: within 1e-6 of DDP, a bitwise resume).
 - **Sources:** Polyak & Juditsky, "Acceleration of stochastic approximation by averaging" (1992); PyTorch's
   ``torch.optim.swa_utils``; timm ``ModelEmaV3`` and diffusers ``EMAModel`` (the warm-up); Lightning's
   ``WeightAveraging`` callback (validation with the average, the swap before the save).
@@ -115,6 +121,7 @@ class ExponentialMovingAverage(torchloom.Plugin):
         self._params: list[torch.Tensor] = []  # the averaged parameters of the fit's model, in order
         self._backup: list[torch.Tensor] | None = None  # the training weights while validating
         self._world = 1  # processes of the fit
+        self._model: torch.nn.Module | None = None  # the fit's model (resharded before its parameters are written)
         self._fitting = False
         # A state loaded outside a fit (a resume's, before on_fit_start; a script's load_plugin_state before
         # Engine.fit): the next fit's on_fit_start, the first hook that has the model, places it on its parameters.
@@ -124,7 +131,8 @@ class ExponentialMovingAverage(torchloom.Plugin):
 
     @torchloom.hookimpl
     def on_fit_start(self, model: torch.nn.Module, accelerator, task, progress) -> None:
-        self._params = _averaged(model)
+        self._model = model
+        self._params = _averaged(torchloom.utils.reshard_module(model))  # FSDP2: the sharded parameters
         self._world = accelerator.num_processes
         with torch.no_grad():
             self._shadow = [p.detach().clone() for p in self._params]
@@ -164,18 +172,21 @@ class ExponentialMovingAverage(torchloom.Plugin):
         if self.steps % self.config.every or not self._shadow:
             return
         decay = ema_decay(self.config.decay, self.updates, self.config.warmup_power)
-        get_ema_multi_avg_fn(decay)(self._shadow, self._params, None)  # foreach lerp, on the device
+        # foreach lerp, on the device; under FSDP2 on each process's shards (elementwise: the same as on the whole)
+        get_ema_multi_avg_fn(decay)(_local(self._shadow), _local(self._params), None)
         self.updates += 1
 
     @torchloom.hookimpl
     def on_validation_start(self, model: torch.nn.Module) -> None:
-        if not self.config.validate_with_ema or self._shadow is None or not self._is_ours(model):
-            return  # no average yet (validate before any fit), or another model (Engine.validate on another task)
+        if not self.config.validate_with_ema or self._shadow is None:
+            return  # no average yet (validate before any fit)
+        torchloom.utils.reshard_module(model)  # FSDP2: the parameters are the shards, which the forward gathers
+        if not self._is_ours(model):
+            return  # another model (Engine.validate on another task)
         self._synchronise()
         with torch.no_grad():
-            self._backup = [p.detach().clone() for p in self._params]
-            for param, average in zip(self._params, self._shadow, strict=True):
-                param.copy_(average)
+            self._backup = [p.detach().clone() for p in _local(self._params)]
+            torch._foreach_copy_(_local(self._params), _local(self._shadow))
 
     @torchloom.hookimpl
     def on_validation_end(self) -> None:
@@ -183,7 +194,11 @@ class ExponentialMovingAverage(torchloom.Plugin):
 
     @torchloom.hookimpl
     def on_train_end(self, model: torch.nn.Module) -> None:
-        if self.config.swap_at_end and self._shadow is not None and self._is_ours(model):
+        if (
+            self.config.swap_at_end
+            and self._shadow is not None
+            and self._is_ours(torchloom.utils.reshard_module(model))
+        ):
             self._synchronise()
             self.copy_to(model)
 
@@ -198,11 +213,16 @@ class ExponentialMovingAverage(torchloom.Plugin):
     @property
     def averaged_parameters(self) -> list[torch.Tensor] | None:
         """The average, one tensor per trainable parameter in ``model.parameters()`` order (``None`` before the
-        first fit). Do not modify it in place."""
+        first fit). Under FSDP2 each is a DTensor laid out as its parameter: this process holds the average of its
+        shard (`torchloom.utils.full_tensor` gathers the whole, a collective). Do not modify it in place."""
         return self._shadow
 
     def copy_to(self, model: torch.nn.Module) -> None:
         """Copy the average into ``model``'s trainable parameters.
+
+        Under FSDP2 the model's FSDP modules are resharded first (``torchloom.utils.reshard_module``), so that the
+        average is written into the sharded parameters that the next forward gathers; a sharded average copied into
+        a model whose parameters are plain tensors is gathered first, a collective: call it on every process.
 
         Raises:
             RuntimeError: no average yet (no fit has started).
@@ -210,16 +230,17 @@ class ExponentialMovingAverage(torchloom.Plugin):
         """
         if self._shadow is None:
             raise RuntimeError("ema: no average to copy yet; it is created when a fit starts")
-        params = _averaged(model)
+        params = _averaged(torchloom.utils.reshard_module(model))
         _check_shapes(params, self._shadow, "copy_to")
         with torch.no_grad():
             for param, average in zip(params, self._shadow, strict=True):
-                param.copy_(average)
+                _copy_into(param, average)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"steps": int, "updates": int, "shadow": [tensor, ...]}``, as `torchloom.save_plugin_state` takes it
         (``ema.json`` + ``ema.safetensors``). With several processes it is a collective (the averages are made equal
-        first): call it on every process, as the ``checkpoint`` plugin does."""
+        first): call it on every process, as the ``checkpoint`` plugin does. Under FSDP2 the shadow tensors are the
+        DTensors of `averaged_parameters` (the plugin state file holds their whole values, gathered when saved)."""
         if self._next_start is not None:  # loaded, not placed yet: hand it back unchanged
             return dict(self._next_start)
         if self._fitting:
@@ -227,8 +248,9 @@ class ExponentialMovingAverage(torchloom.Plugin):
         return {"steps": self.steps, "updates": self.updates, "shadow": list(self._shadow or [])}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned: at once during a fit (copied onto each parameter's device), else
-        kept and applied when the next fit starts.
+        """Restore what `state_dict` returned: at once during a fit (copied onto each parameter's device; under
+        FSDP2 each process keeps its shard of a whole saved tensor, or copies a DTensor's shard), else kept and
+        applied when the next fit starts.
 
         Raises:
             PluginError: ``state`` lacks the integer counters or the list of tensors.
@@ -251,7 +273,7 @@ class ExponentialMovingAverage(torchloom.Plugin):
         _check_shapes(self._shadow, shadow, "load_state_dict")
         with torch.no_grad():
             for average, saved in zip(self._shadow, shadow, strict=True):
-                average.copy_(saved)
+                _copy_into(average, saved)
         self.steps, self.updates = int(steps), int(updates)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------------- internals
@@ -261,8 +283,11 @@ class ExponentialMovingAverage(torchloom.Plugin):
         return len(params) == len(self._params) and all(p is q for p, q in zip(params, self._params))
 
     def _synchronise(self) -> None:
-        """Make every process's average the mean over processes (a no-op on one process; bitwise when equal)."""
+        """Make every process's average the mean over processes (a no-op on one process; bitwise when equal; a no-op
+        under FSDP2, where each process holds the only average of its shard)."""
         if self._world < 2 or not self._shadow or not torch.distributed.is_initialized():
+            return
+        if any(_sharded(average) for average in self._shadow):
             return
         with torch.no_grad():
             for average in self._shadow:
@@ -273,17 +298,41 @@ class ExponentialMovingAverage(torchloom.Plugin):
                 average.copy_(reference + difference / self._world)
 
     def _restore(self) -> None:
+        """Put the training weights back bit for bit, into the sharded parameters under FSDP2: the model is
+        resharded first, since FSDP2 leaves its root module's parameters gathered after a forward without a
+        backward, and the next training forward would use those (the average) instead of the shards."""
         if self._backup is None:
             return
+        if self._model is not None:
+            torchloom.utils.reshard_module(self._model)
         with torch.no_grad():
-            for param, saved in zip(self._params, self._backup, strict=True):
-                param.copy_(saved)
+            torch._foreach_copy_(_local(self._params), self._backup)
         self._backup = None
 
 
 def _averaged(model: torch.nn.Module) -> list[torch.Tensor]:
     """The parameters the average covers: floating point and trainable (under peft, the adapter's)."""
     return [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+
+
+def _local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's part on this process: a DTensor's local shard (FSDP2), a plain tensor itself."""
+    return [torchloom.utils.local_tensor(t) for t in tensors]
+
+
+def _sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (its local shard is another object)."""
+    return torchloom.utils.local_tensor(tensor) is not tensor
+
+
+def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)`` for plain tensors and DTensors alike: a DTensor target receives its part of a plain
+    (whole) source; a plain target receives the whole of a DTensor source (gathered: a collective)."""
+    if _sharded(target):
+        source = torchloom.utils.shard_like(source, target)  # a DTensor stays as it is
+        torchloom.utils.local_tensor(target).copy_(torchloom.utils.local_tensor(source))
+    else:
+        target.copy_(torchloom.utils.full_tensor(source))
 
 
 def _check_shapes(ours: list[torch.Tensor], theirs: list[torch.Tensor], where: str) -> None:

@@ -14,13 +14,15 @@ Method card
   ``on_validation_batch_end``; at the end of the pass the texts of all processes are gathered
   (``gather_object``, in process order) and every process computes the same values over the whole set.
 - **Model:** ``accelerator.unwrap_model(model).generate(...)`` (a DDP wrapper has no ``generate``), in eval mode
-  under ``torch.no_grad``; every module gets its own mode back. FSDP is refused before training (sharded
-  parameters would need every process in each forward of a generation of a different length).
+  under ``torch.no_grad``; every module gets its own mode back. Under FSDP (FSDP2 on several processes) every
+  forward gathers the sharded parameters, a collective, so generation runs with transformers' ``synced_gpus=True``:
+  a process whose sequences have ended keeps running forwards until every process's have (the engine gives every
+  process the same number of validation batches); ``generate_kwargs`` ``synced_gpus: false`` is refused there.
 - **Predict:** ``Engine.predict`` / ``torchloom predict`` write each sample's prompt, generation and reference to
   ``predictions.jsonl`` (``run_predict_step``), unless the task defines its own ``predict_step`` (it then runs, as
   it would without the plugin) or ``predict`` is false.
-- **Hooks:** ``configure_model`` (checks: a model with ``generate``, no FSDP, a tokenizer), ``on_validation_start``,
-  ``on_validation_batch_end``, ``on_validation_end``, ``run_predict_step``.
+- **Hooks:** ``configure_model`` (checks: a model with ``generate``, a tokenizer; FSDP: synced generation),
+  ``on_validation_start``, ``on_validation_batch_end``, ``on_validation_end``, ``run_predict_step``.
 - **Cost:** one ``generate`` call per validation batch (up to ``max_new_tokens`` forward passes) and one gather
   of the texts per pass; nothing during training.
 - **Sources:** transformers' ``GenerationMixin.generate`` (left padding for decoder-only models, ``pad_token_id``);
@@ -328,6 +330,7 @@ class Generate(torchloom.Plugin):
         super().__init__(config, **settings)
         self.functions = self.config.functions()
         self.tokenizer: Any = None
+        self._synced = False  # FSDP on several processes: generate with synced_gpus=True
         self.predictions: list[str] = []
         self.references: list[str] = []
         self._model: Any = None
@@ -342,10 +345,15 @@ class Generate(torchloom.Plugin):
                 f"generate: the model ({type(model).__name__}) has no generate(); the plugin needs a causal LM such "
                 "as a transformers *ForCausalLM model"
             )
-        if accelerator.distributed_type == DistributedType.FSDP:
+        # FSDP2: each forward gathers the sharded parameters, a collective, so every process must run each forward
+        # of a generation, also after its own sequences have ended (transformers' synced_gpus, which it sets by
+        # itself only for the models it shards itself)
+        self._synced = accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1
+        if self._synced and self.config.generate_kwargs.get("synced_gpus", True) is not True:
             raise torchloom.ConfigError(
-                "generate: generation under FSDP is not supported (sharded parameters would need every process in "
-                "each step of generations of different lengths); use DDP or one process, or disable the plugin"
+                "generate: generate_kwargs synced_gpus = false under FSDP: the sharded parameters are gathered in "
+                "every forward, a collective, so a process that stopped generating would leave the others waiting "
+                "forever; remove the setting"
             )
         source = self.config.tokenizer if self.config.tokenizer is not None else getattr(task, "tokenizer", None)
         if source is None:
@@ -382,6 +390,7 @@ class Generate(torchloom.Plugin):
             "max_new_tokens": config.max_new_tokens,
             "do_sample": config.do_sample,
             "stop_strings": config.stop_strings,
+            **({"synced_gpus": True} if self._synced else {}),
             **config.generate_kwargs,
         }
 

@@ -22,7 +22,8 @@ Method card
 - **Guarantees:** right after each averaging the parameters are bitwise equal on every process and are the
   mean of their values just before it; between averagings they differ; on one process the plugin warns once
   and is an exact no-op (no collective, bitwise the run without it).
-- **Not supported (Accelerate's own check, raised up front):** DeepSpeed, Megatron-LM, FSDP, XLA.
+- **Not supported (raised up front, at ``on_fit_start``):** FSDP (a `PluginError` that says why:
+  tests/test_fsdp_plugins.py), and by Accelerate's own check DeepSpeed, Megatron-LM, XLA.
 - **Optimizer state:** only parameters are averaged; momentum or Adam moments stay per process, as in
   Accelerate's implementation.
 - **DiLoCo** (``outer_optimizer: nesterov`` or ``sgd``; Douillard et al. 2023, arXiv:2311.08105): the same
@@ -145,6 +146,14 @@ class LocalSGDPlugin(torchloom.Plugin):
 
     @torchloom.hookimpl
     def on_fit_start(self, accelerator, model) -> None:
+        if str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)) == "FSDP":
+            # Accelerate's own message names only DeepSpeed and Megatron-LM
+            raise PluginError(
+                "local_sgd: Accelerate's LocalSGD does not support FSDP (this run: DistributedType.FSDP): it lets "
+                "each process train its own copy of the whole model and averages the copies every sync_every "
+                "steps, while under FSDP each process holds a shard of one model whose gradients are reduced at "
+                "every step; use DDP (remove the fsdp plugin) or remove local_sgd"
+            )
         try:
             local_sgd = LocalSGD(accelerator, model, local_sgd_steps=self.config.sync_every)
         except NotImplementedError as exc:

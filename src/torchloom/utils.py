@@ -7,8 +7,9 @@ settings, the errors, the checkpoint and memory entry points). A built-in plugin
 plugin may do the same and is then as well placed as the built-ins. Names are imported when first used (PEP 562), as
 on ``torchloom``: importing this module imports neither torch nor Accelerate.
 
-Until release 0.3 each of these names but `plugins_with`, `full_tensor` and `local_tensor` (new here) also imports
-from ``torchloom`` (``torchloom.warn``), with a ``DeprecationWarning`` that names its new place.
+Until release 0.3 each of these names but `plugins_with`, `full_tensor`, `local_tensor`, `reshard_module` and
+`shard_like` (new here) also imports from ``torchloom`` (``torchloom.warn``), with a ``DeprecationWarning`` that
+names its new place.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ _EXPORTS = {
     "optimizer_state_bytes": "torchloom.tools.sizes",
     "plugins_with": "torchloom.plugins",
     "quiet_libraries": "torchloom._output",
+    "reshard_module": "torchloom.parallel.dtensors",
+    "shard_like": "torchloom.parallel.dtensors",
     "warn": "torchloom._warn",
     "write_atomically": "torchloom.rundir.atomic",
 }
@@ -52,6 +55,8 @@ __all__ = [
     "optimizer_state_bytes",
     "plugins_with",
     "quiet_libraries",
+    "reshard_module",
+    "shard_like",
     "warn",
     "write_atomically",
 ]
@@ -66,7 +71,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from torchloom._strict_json import json_dumps
     from torchloom._suggest import closest_name
     from torchloom._warn import warn
-    from torchloom.parallel.dtensors import full_tensor, local_tensor
+    from torchloom.parallel.dtensors import full_tensor, local_tensor, reshard_module, shard_like
     from torchloom.plugins import plugins_with
     from torchloom.rundir.atomic import write_atomically
     from torchloom.rundir.layout import MODEL_DIR, SUMMARY_FILE

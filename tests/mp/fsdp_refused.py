@@ -1,7 +1,8 @@
 """A sharding request on CPU processes that cannot take effect: each process writes the ConfigError it got.
 
-Arguments: the output directory and the request: ``fsdp1`` (the ``fsdp`` plugin with version 1) or ``deepspeed``
-(``ACCELERATE_USE_DEEPSPEED=true``, as ``accelerate launch`` sets it from a DeepSpeed config).
+Arguments: the output directory and the request: ``fsdp1`` (the ``fsdp`` plugin with version 1), ``deepspeed``
+(``ACCELERATE_USE_DEEPSPEED=true``, as ``accelerate launch`` sets it from a DeepSpeed config) or ``local_sgd`` (the
+``fsdp`` plugin with ``local_sgd``, which Accelerate's LocalSGD does not support: a PluginError).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from torchloom.testing import TinyTask
 
 out, request = Path(sys.argv[1]), sys.argv[2]
 plugins = {"fsdp": {"version": 1}} if request == "fsdp1" else {}
+if request == "local_sgd":
+    plugins = {"fsdp": {}, "local_sgd": {"sync_every": 2}}
 if request == "deepspeed":
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 engine = torchloom.Engine(output_dir=str(out / "run"), max_epochs=1, plugins=plugins)
 try:
     engine.fit(TinyTask())
     message = None
-except torchloom.ConfigError as exc:
+except (torchloom.ConfigError, torchloom.PluginError) as exc:
     message = str(exc)
 rank = torch.distributed.get_rank()
 flags = {key: os.environ.get(key) for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")}

@@ -282,16 +282,23 @@ def test_a_model_without_generate_is_refused_before_training(tmp_path):
     assert Linear.steps == 0
 
 
-def test_fsdp_and_a_missing_tokenizer_are_refused_before_training(tokenizer_dir):
+def test_fsdp_generates_in_lockstep_and_a_missing_tokenizer_is_refused_before_training(tokenizer_dir):
+    """Under FSDP every process runs each forward (synced_gpus); turning that off is refused. The 2-process FSDP2
+    generation itself: tests/test_fsdp_plugins.py."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
     model = torch.nn.Linear(1, 1)
     model.generate = lambda **kwargs: None
-    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP)
-    with pytest.raises(torchloom.ConfigError, match="generation under FSDP is not supported"):
-        Generate().configure_model(model=model, task=script.GenTask(tokenizer_dir), accelerator=fsdp)
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=2)
+    plugin = Generate()
+    plugin.configure_model(model=model, task=script.GenTask(tokenizer_dir), accelerator=fsdp)
+    assert plugin._settings()["synced_gpus"] is True
+    with pytest.raises(torchloom.ConfigError, match="synced_gpus = false under FSDP: the sharded parameters are"):
+        Generate(generate_kwargs={"synced_gpus": False}).configure_model(
+            model=model, task=script.GenTask(tokenizer_dir), accelerator=fsdp
+        )
     task = script.GenTask(tokenizer_dir)
     task.tokenizer = None
     plain = SimpleNamespace(distributed_type=DistributedType.NO)

@@ -45,6 +45,7 @@ from torchloom.checkpoint.entries import (
 from torchloom.checkpoint.manifest import MANIFEST, _fsync_dir, claim_directory, hash_and_sync, publish
 from torchloom.checkpoint.plugin_state import encode_plugin_state, write_plugin_state
 from torchloom.errors import CheckpointError, RunFileError
+from torchloom.parallel.dtensors import is_dtensor
 from torchloom.rundir import atomic
 from torchloom.rundir.adapter_format import TrainableOnly
 
@@ -323,7 +324,19 @@ def copy_state(obj: Any, storages: dict[Any, torch.UntypedStorage]) -> Any:
 
 
 def _copy_tensor(tensor: torch.Tensor, storages: dict[Any, torch.UntypedStorage]) -> torch.Tensor:
+    """A host copy of ``tensor`` (see `copy_state`).
+
+    Raises:
+        CheckpointError: ``tensor`` is a DTensor (a shard of a sharded model: `check_supported` refuses such a run
+            first; copying the shard alone would write a part of the value as the whole).
+    """
     t = tensor.detach()
+    if is_dtensor(t):
+        raise CheckpointError(
+            "an asynchronous checkpoint save cannot copy a sharded (DTensor) value: only the main process writes "
+            "the model and optimizer files, and its shard is not the whole value; save synchronously "
+            "(async_save: false)"
+        )
     if t.layout != torch.strided or (type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)):
         return t.clone().cpu()  # a sparse or subclassed tensor: copied alone
     storage = t.untyped_storage()

@@ -6,7 +6,14 @@ A plugin is *stateful* when it has both ``state_dict()`` and ``load_state_dict(s
 returns a ``dict`` whose values are, at any depth:
 
 - ``torch.Tensor`` (dense; saved with its dtype and shape, loaded onto the device of the tensor at the same
-  place in the plugin's current state, else onto the CPU),
+  place in the plugin's current state, else onto the CPU). A ``DTensor`` (a shard of a sharded value, FSDP2) is
+  saved as its whole value, gathered when the state is encoded (``full_tensor()``: a collective, which is fine
+  since every process encodes its state at the same point), so the file does not depend on the number of
+  processes; it loads as a DTensor laid out as the one at the same place in the plugin's current state (each
+  process keeps its part of the saved value, no communication), else as a plain tensor of the whole value (the
+  plugin places it, `torchloom.utils.shard_like`). The whole value costs one gather per tensor and one whole copy
+  on each process while it is encoded; saving each process's shard instead would tie the file to the process
+  count and to the process that wrote it, while the plugin state is written by the main process only.
 - ``str``, ``int``, ``float``, ``bool``, ``None`` (exact types: a ``numpy.float64`` or an ``IntEnum`` is an
   error, not silently converted),
 - ``dict`` with ``str`` keys, ``list`` and ``tuple`` of these (a tuple comes back as a list).
@@ -47,6 +54,7 @@ from safetensors.torch import load_file, save_file
 
 from torchloom import _strict_json
 from torchloom.errors import PluginError
+from torchloom.parallel.dtensors import full, is_dtensor, shard_like
 from torchloom.plugins import blame, plugin_name
 from torchloom.rundir.atomic import write_atomically
 
@@ -223,6 +231,8 @@ def _encode(name: str, state: Any, copy: bool, own: bool = False) -> tuple[Any, 
 
     def walk(value: Any, where: str, key: str) -> Any:
         if isinstance(value, torch.Tensor):
+            if is_dtensor(value):  # a shard of a sharded (FSDP2) value: the whole value, gathered (a collective)
+                value = full(value)
             if value.layout != torch.strided:
                 raise PluginError(f"{name}: state{where} is a {value.layout} tensor; save a dense one (.to_dense())")
             unique = key or "tensor"
@@ -297,7 +307,7 @@ def _read(name: str, root: Path, plugin: Any) -> Any:
         tensors = load_file(tensor_path, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise PluginError(f"{name}: cannot read {str(tensor_path)!r}: {exc}") from None
-    devices = _tensor_devices(_state_of(name, plugin, f"to load its state from {str(json_path.parent)!r}"))
+    places = _tensor_places(_state_of(name, plugin, f"to load its state from {str(json_path.parent)!r}"))
     used: set[str] = set()
 
     def build(node: Any, key: str) -> Any:
@@ -310,7 +320,7 @@ def _read(name: str, root: Path, plugin: Any) -> Any:
                         f"{json_path.name} names; the two files are from different saves"
                     )
                 used.add(saved_key)
-                return tensors[saved_key].to(devices.get(key, "cpu"))
+                return _place(tensors[saved_key], places.get(key))
             if _strict_json.is_tag(node):
                 try:
                     return _strict_json.untag(node, _NONFINITE[version])
@@ -330,13 +340,13 @@ def _read(name: str, root: Path, plugin: Any) -> Any:
     return state
 
 
-def _tensor_devices(state: Any) -> dict[str, torch.device]:
-    """The device of every tensor in a state, by its dotted path (what a load puts at the same path)."""
-    devices: dict[str, torch.device] = {}
+def _tensor_places(state: Any) -> dict[str, torch.Tensor]:
+    """Every tensor in a state, by its dotted path: where a load puts the tensor saved at the same path."""
+    devices: dict[str, torch.Tensor] = {}
 
     def walk(value: Any, key: str) -> None:
         if isinstance(value, torch.Tensor):
-            devices[key] = value.device
+            devices[key] = value
         elif isinstance(value, dict):
             for k, v in value.items():
                 walk(v, f"{key}.{k}" if key else str(k))
@@ -346,6 +356,17 @@ def _tensor_devices(state: Any) -> dict[str, torch.device]:
 
     walk(state, "")
     return devices
+
+
+def _place(saved: torch.Tensor, current: torch.Tensor | None) -> torch.Tensor:
+    """A loaded tensor where the current state has its counterpart: on its device; laid out as it when it is a
+    DTensor of the same global shape (this process's part of the whole value saved, no communication); else on the
+    CPU."""
+    if current is None:
+        return saved
+    if is_dtensor(current) and tuple(current.shape) == tuple(saved.shape):
+        return shard_like(saved, current)
+    return saved.to(current.device)
 
 
 def _write(root: Path, name: str, tree: Any, tensors: dict[str, torch.Tensor]) -> None:
