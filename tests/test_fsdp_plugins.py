@@ -86,7 +86,8 @@ def test_ema_state_resumes_bitwise_from_a_sharded_checkpoint(runs):
     assert resumed[0]["stopped_step"] == 12
     # The plugin state file holds the whole average (gathered from the shards), not the main process's shard
     with safe_open(str(Path(runs["middle"][0]) / "plugins" / "ema.safetensors"), "pt") as saved:
-        assert sum(math.prod(saved.get_slice(k).get_shape()) for k in saved.keys())  # noqa: SIM118 (safe_open) == fsdp[0]["elements"]
+        names = list(saved.keys())
+        assert sum(math.prod(saved.get_slice(k).get_shape()) for k in names) == fsdp[0]["elements"]
 
 
 def test_local_sgd_under_fsdp2_stops_at_start_up(tmp_path):

@@ -20,7 +20,7 @@ from torchloom.testing import TinyTask
 out, request = Path(sys.argv[1]), sys.argv[2]
 plugins = {"fsdp": {"version": 1}} if request == "fsdp1" else {}
 if request == "local_sgd":
-    plugins = {"fsdp": {}, "local_sgd": {"sync_every": 2}}
+    plugins = {"fsdp": {"auto_wrap_policy": "no_wrap"}, "local_sgd": {"sync_every": 2}}  # TinyTask: no blocks
 if request == "deepspeed":
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 engine = torchloom.Engine(output_dir=str(out / "run"), max_epochs=1, plugins=plugins)
