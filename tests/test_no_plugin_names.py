@@ -28,6 +28,10 @@ ALLOWED = {
         "the HF-arguments converter translates TrainingArguments into a torchloom run config, whose plugins section "
         "names plugins as a user's config does; it writes names, it looks none up and loads nothing"
     ),
+    "tools/hf_args/mapping.py": (
+        "TrainingArguments' own field names (its fsdp field) as keys of the fields without an equivalent; the key is "
+        "the HF field, not the plugin"
+    ),
 }
 #: Plugin names that are also the core's own words (its checkpoints, optimizer, Progress counter, Accelerate's
 #: mixed_precision setting, torch.compile): a string constant equal to one of them is a lookup only where it is used

@@ -33,7 +33,10 @@ def test_counts_by_hand_and_shared_parameters_once():
     model[0].requires_grad_(False)
     extra = torch.nn.Linear(4, 2).to(torch.float16)
     counts = torchloom.utils.count_parameters(torch.nn.ModuleList([model, extra]))
-    assert counts == {"total": 50, "trainable": 10, "bytes": 40 * 4 + 10 * 2, "dtypes": {"float32": 40, "float16": 10}}
+    held = 40 * 4 + 10 * 2
+    assert counts == {
+        "total": 50, "trainable": 10, "bytes": held, "process_bytes": held, "dtypes": {"float32": 40, "float16": 10}
+    }  # fmt: skip
 
 
 def test_optimizer_state_bytes_counts_only_what_stepped():
@@ -69,7 +72,7 @@ def test_the_fit_summary_records_the_parameters_and_the_optimizer_state(tmp_path
     engine = torchloom.Engine(output_dir=str(tmp_path), max_epochs=1, seed=0, plugins=["progress"])
     engine.fit(FrozenFirst())
     summary = json.loads((Path(engine.run_dir) / torchloom.utils.SUMMARY_FILE).read_text())
-    assert summary["parameters"] == {"total": 19, "trainable": 4, "bytes": 76}
+    assert summary["parameters"] == {"total": 19, "trainable": 4, "bytes": 76, "process_bytes": 76}
     assert summary["optimizer_state_bytes"] == 40
     out = capsys.readouterr().out
     assert "parameters 19 (4 trainable, 21.1 %), 76 B; optimizer state 40 B\n" in out

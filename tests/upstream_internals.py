@@ -377,6 +377,12 @@ INTERNALS: tuple[Internal, ...] = (
         ("torchloom_plugins.grad_accum",),
     ),
     Internal(
+        "torch._foreach_copy_",
+        "ema writes the average into the parameters and the trained values back in one call (each process's shards "
+        "under FSDP2)",
+        ("torchloom_plugins.ema",),
+    ),
+    Internal(
         "torch._dynamo.utils.counters",
         "compile reports graphs compiled and graph breaks (counters['stats']['unique_graphs'], "
         "counters['graph_break']) with no device sync",
@@ -501,6 +507,12 @@ INTERNALS: tuple[Internal, ...] = (
         "transformers.modeling_layers.GradientCheckpointingLayer.gradient_checkpointing",
         "whether a transformers layer is checkpointed (grad_checkpoint's checkpoint_use_reentrant)",
         ("torchloom_plugins.grad_checkpoint",),
+    ),
+    Internal(
+        "transformers.modeling_utils.PreTrainedModel._no_split_modules",
+        "fsdp's default blocks to wrap (Accelerate reads the same attribute for transformer_based_wrap), checked "
+        "against the model's modules at start-up",
+        ("torchloom_plugins.fsdp",),
     ),
     Internal(
         "transformers.generation.utils.GenerationMixin._validate_model_kwargs",
