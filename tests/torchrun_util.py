@@ -55,15 +55,7 @@ def torchrun(
         AssertionError: the launch failed or hung (its output is in the message).
     """
     require_multiprocess_marker(f"torchrun {script}")
-    env = {
-        **os.environ,
-        "ACCELERATE_USE_CPU": "1",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(MP_DIR), os.environ.get("PYTHONPATH", "")]),
-    }
-    for stale in out_dir.glob("result-*.json"):
-        stale.unlink()
+    env = _launch_environment(out_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     launcher = subprocess.Popen(
         [*cmd, str(MP_DIR / script), str(out_dir), *args],
@@ -107,15 +99,7 @@ def torchrun_nodes(
     with socket.socket() as probe:  # a free port for the rendezvous (the first node's agent binds it)
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {
-        **os.environ,
-        "ACCELERATE_USE_CPU": "1",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(MP_DIR), os.environ.get("PYTHONPATH", "")]),
-    }
-    for stale in out_dir.glob("result-*.json"):
-        stale.unlink()
+    env = _launch_environment(out_dir)
 
     def node_command(node: int) -> list[str]:
         return [
@@ -142,6 +126,20 @@ def torchrun_nodes(
             f"torchrun node {node} of {script} failed ({launcher.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
         )
     return [json.loads((out_dir / f"result-{rank}.json").read_text()) for rank in range(nnodes * nproc)]
+
+
+def _launch_environment(out_dir: Path) -> dict[str, str]:
+    """The environment of a launch's processes (CPU processes, one thread each, offline, tests/mp importable); the
+    results of an earlier launch into ``out_dir`` are removed first."""
+    for stale in out_dir.glob("result-*.json"):
+        stale.unlink()
+    return {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(MP_DIR), os.environ.get("PYTHONPATH", "")]),
+    }
 
 
 def kill_tree(pid: int) -> list[int]:
