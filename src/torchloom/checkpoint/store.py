@@ -74,7 +74,7 @@ from torchloom.checkpoint.manifest import VERSION as VERSION
 from torchloom.checkpoint.manifest import verify_files as verify_files
 from torchloom.checkpoint.plugin_state import load_plugin_state, save_plugin_state, write_plugin_state
 from torchloom.checkpoint.reshard import source_rank
-from torchloom.errors import CheckpointError, RunFileError
+from torchloom.errors import CheckpointError, RunFileError, TaskError
 from torchloom.rundir import atomic
 from torchloom.rundir.layout import CHECKPOINTS_DIR, is_run_dir, run_directories
 
@@ -155,9 +155,13 @@ def write(
         if failure is None:
             if main:  # the disk takes the large files while the state is checked
                 hashing = hash_in_background(tmp)
-            encoded = checked_states(entries, accelerator, step, nonfinite_loss, skipped, own=False)
+            try:  # decided alike on every process (one all-reduce): each leaves once the files are gone
+                encoded = checked_states(entries, accelerator, step, nonfinite_loss, skipped, own=False)
+            except TaskError:
+                _discard(tmp, hashing, main, accelerator)
+                raise
             if encoded is None:  # a skipped save: nothing is published
-                _discard(tmp, hashing, main)
+                _discard(tmp, hashing, main, accelerator)
                 return None
             states = (main_states, mine)
             written = _write_parts(tmp, lambda: _write_states(entries, tmp, states, encoded, accelerator), accelerator)
@@ -176,13 +180,16 @@ def write(
     return str(final)
 
 
-def _discard(tmp: Path, hashing: Future[Any] | None, main: bool) -> None:
+def _discard(tmp: Path, hashing: Future[Any] | None, main: bool, accelerator: Any = None) -> None:
     """Remove the temporary directory of a checkpoint that is not published (main process), once the thread that
-    hashes its files (if any) is done with them."""
+    hashes its files (if any) is done with them. With ``accelerator`` (an outcome every process reached at the same
+    point) every process waits until it is removed, so that none returns while it is still there."""
     if hashing is not None:
         wait([hashing])
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
+    if accelerator is not None and accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
 
 
 def _write_files(entries: Sorted, tmp: Path) -> None:
