@@ -237,13 +237,16 @@ def test_an_ema_that_would_never_update_in_the_fit_says_so(every, warned, tmp_pa
             2,
             "every_n_steps = 17 (this fit ends at optimizer step 16) and every_n_epochs = 3 (it ends after epoch 2)",
         ),
+        ({"every_n_steps": None, "every_n_epochs": None}, 1, ""),  # saves on a signal only, by choice: no warning
     ],
 )
 def test_a_checkpoint_schedule_that_never_saves_in_the_fit_says_so(settings, max_epochs, warned, tmp_path):
     messages = _fit_warnings([{"checkpoint": settings}], max_epochs=max_epochs, output_dir=str(tmp_path))
     mine = [m for m in messages if m.startswith("checkpoint: no checkpoint")]
     saved = list_checkpoints(tmp_path / "version_0")
-    if warned:
+    if warned == "":
+        assert saved == [] and mine == []
+    elif warned:
         assert saved == []
         assert mine == [
             f"checkpoint: no checkpoint will be saved in this fit: {warned}; only a stop by a signal would save one. "

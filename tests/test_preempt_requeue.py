@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,9 +74,13 @@ class Preemptible(torchloom.TaskModule):
         return torch.nn.functional.mse_loss(self.model(x), y)
 """
 
-#: A stand-in for SLURM's ``scontrol``: appends its arguments to ``$SCONTROL_CALLS``, one call a line.
+#: A stand-in for SLURM's ``scontrol``: appends its arguments to ``$SCONTROL_CALLS``, one call a line. As SLURM
+#: does, a requeue ends the running job with a SIGTERM: sent to the process that asked, from the background, every
+#: 5 ms until it is gone, so that one arrives after the fit returned (while the process reports and exits).
 SCONTROL = """#!/bin/sh
 echo "$@" >> "$SCONTROL_CALLS"
+job=$PPID
+(while kill -TERM "$job" 2>/dev/null; do sleep 0.005; done) </dev/null >/dev/null 2>&1 &
 """
 
 KEEP_LAST = 2
@@ -205,6 +210,14 @@ def test_fit_with_ckpt_path_auto_starts_fresh_on_an_empty_output_dir_then_resume
     assert second.progress.global_step == 16
 
 
+@pytest.fixture
+def sigterm_restored():
+    """The test process's SIGTERM handler as it was, after a fit that may leave SIGTERM ignored."""
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
 class _SigtermAt:
     name = "test.sigterm_at"
 
@@ -223,7 +236,7 @@ class _SigtermAt:
     ],
 )
 def test_a_requeue_that_cannot_be_done_warns_and_the_fit_still_stops_with_its_checkpoint(
-    tmp_path, monkeypatch, job, scontrol, warning
+    tmp_path, monkeypatch, sigterm_restored, job, scontrol, warning
 ):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -247,6 +260,41 @@ def test_a_requeue_that_cannot_be_done_warns_and_the_fit_still_stops_with_its_ch
     assert slurm.is_file() == (job is not None)
     if job is not None:
         assert json.loads(slurm.read_text())["restart_count"] == 0  # SLURM_RESTART_COUNT unset: the first start
+
+
+@pytest.mark.parametrize(("job", "requeue", "ignored"), [("17", True, True), ("17", False, False), (None, True, False)])
+def test_after_a_requeue_under_slurm_sigterm_is_ignored_and_otherwise_the_handler_is_restored(
+    tmp_path, monkeypatch, sigterm_restored, job, requeue, ignored
+):
+    """SLURM ends the job it requeued with a SIGTERM: after the fit, it must not kill the process before the
+    process reports the interruption. Without a requeue, or outside SLURM, the handler from before the fit is back."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    if job is not None:
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+
+    def mine(number, frame):  # the handler the fit finds, and must give back
+        raise AssertionError("not called")
+
+    signal.signal(signal.SIGTERM, mine)
+    engine = torchloom.Engine(
+        output_dir=str(tmp_path / "out"),
+        plugins=[{"checkpoint": {"every_n_epochs": None, "requeue": requeue}}, _SigtermAt()],
+        default_plugins=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # outside SLURM: "nothing requeued"
+        with pytest.raises(torchloom.TrainingInterrupted):
+            engine.fit(TinyTask())
+    assert signal.getsignal(signal.SIGTERM) is (signal.SIG_IGN if ignored else mine)
+    plugins = [{"checkpoint": {"every_n_steps": 1, "every_n_epochs": None, "requeue": requeue}}]
+    engine = torchloom.Engine(output_dir=str(tmp_path / "again"), max_steps=1, plugins=plugins, default_plugins=False)
+    engine.fit(TinyTask())  # a later fit that no signal stopped gives back what it found
+    assert signal.getsignal(signal.SIGTERM) is (signal.SIG_IGN if ignored else mine)
 
 
 def test_keep_last_counts_the_training_but_a_resumed_fit_that_saves_nothing_deletes_nothing(tmp_path):

@@ -114,6 +114,10 @@ class CheckpointConfig:
         requeue (`bool`, defaults to False): under SLURM (``SLURM_JOB_ID`` set), after the save on a signal, queue
             the job again with ``scontrol requeue $SLURM_JOB_ID`` (main process; a failure warns): the job restarts
             with its command line, which ``torchloom fit --resume auto`` makes a resume. Outside SLURM: a warning.
+            Under SLURM, every process of a fit stopped this way ignores SIGTERM from then on: SLURM ends the job
+            it requeued with a SIGTERM of its own, which would otherwise kill the process before it reports the
+            interruption (exit status 143) or returns; the job is ended anyway (SIGKILL after SLURM's
+            ``KillWait``).
 
     Raises:
         ConfigError: a count below 1 (``keep_across_runs`` included), no schedule at all, an unknown ``mode``,
@@ -197,6 +201,7 @@ class Checkpoint(torchloom.Plugin):
         self._completed = False  # on_train_end fired in this fit
         self._signal: int | None = None  # the first signal received in this fit
         self._previous_handlers: dict[int, Any] = {}
+        self._requeued = False  # this fit stopped on a signal with requeue set: SIGTERM is ignored after it
         self._pending: Any = None  # the interrupt flag's agreement started at the last step (several processes)
         self._off = False  # a fast_dev_run (the engine's is_fast_dev_run, at setup): nothing is saved
         self._max_epochs: int | None = None  # the engine's max_epochs (at setup)
@@ -260,6 +265,8 @@ class Checkpoint(torchloom.Plugin):
         max_epochs = self._max_epochs
         if total is None or total <= progress.global_step or max_epochs is None:
             return
+        if steps is None and epochs is None:  # saves on a signal only, as configured: nothing unexpected
+            return
         if (steps is not None and total // steps > progress.global_step // steps) or (
             epochs is not None and max_epochs // epochs > progress.epoch // epochs
         ):
@@ -295,8 +302,10 @@ class Checkpoint(torchloom.Plugin):
         if interrupted is not None or (steps is not None and progress.global_step % steps == 0):
             path = self._save(accelerator, progress.global_step, wait=interrupted is not None)
             if interrupted is not None:
-                if self.config.requeue and accelerator.is_main_process:
-                    self._requeue()
+                if self.config.requeue:
+                    self._requeued = bool(os.environ.get("SLURM_JOB_ID"))  # only SLURM sends the SIGTERM to ignore
+                    if accelerator.is_main_process:
+                        self._requeue()
                 raise torchloom.TrainingInterrupted(interrupted, path, progress.global_step)
 
     @torchloom.hookimpl
@@ -336,6 +345,9 @@ class Checkpoint(torchloom.Plugin):
         for number, handler in self._previous_handlers.items():
             signal.signal(number, handler)
         self._previous_handlers.clear()
+        if self._requeued:  # SLURM ends the job it requeued with a SIGTERM: it must not cut the report short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self._requeued = False
         self._pending = None  # a fit that failed on one process: never wait for the others here
 
     # ----------------------------------------------------------------------------------------- internals
