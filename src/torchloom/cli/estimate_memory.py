@@ -66,6 +66,18 @@ def parser() -> Any:
         default=None,
         help="the peft plugin's settings, e.g. '{r: 8, load_in_4bit: true}' (default: a run config's; false: none)",
     )
+    sub.add_argument(
+        "--dp_shard_size",
+        type=int,
+        default=1,
+        help="processes FSDP2 shards over: every size is then one process's (default 1: not sharded)",
+    )
+    sub.add_argument(
+        "--transformer_layer_cls_to_wrap",
+        type=list[str] | None,
+        default=None,
+        help="with --dp_shard_size: the layer classes FSDP2 shards as units (default: the model's _no_split_modules)",
+    )
     sub.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return sub
 
@@ -87,6 +99,8 @@ def run(parser: Any, cfg: Any) -> int:
         architecture=cfg.architecture,
         fused_attention=cfg.fused_attention,
         peft=cfg.peft,
+        dp_shard_size=cfg.dp_shard_size,
+        transformer_layer_cls_to_wrap=cfg.transformer_layer_cls_to_wrap,
     )
     print(json.dumps(estimate.to_dict(), indent=2) if cfg.json else estimate.table())
     return 0

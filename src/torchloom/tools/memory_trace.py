@@ -5,6 +5,7 @@ the bytes of every storage an operation creates and subtracts them when it is fr
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -15,6 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchloom.errors import ConfigError, TorchloomError
 from torchloom.plugins import HookRelay, enable_plugins
+from torchloom.tools.memory_shard import Sharding, UnitSimulation, plan_units
 from torchloom.tools.memory_source import CHECKPOINTING, Source, capable_plugin, fake_copy
 
 __all__ = ["trace_activations"]
@@ -49,6 +51,11 @@ class _LiveBytes(TorchDispatchMode):
     def _free(self, key: int, nbytes: int) -> None:
         self.seen.discard(key)
         self.live -= nbytes
+
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (fewer, if negative) that no operation returned, e.g. FSDP2's gathered units."""
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
 
 
 @contextlib.contextmanager
@@ -90,8 +97,10 @@ def trace_activations(
     autocast_dtype: torch.dtype | None,
     checkpoint: dict[str, Any] | None,
     fused_attention: bool,
+    sharding: Sharding | None = None,
 ) -> int:
-    """Peak activation bytes of one forward + backward of a fresh fake copy of the model (see the module docstring)."""
+    """Peak activation bytes of one forward + backward of a fresh fake copy of the model (see the module docstring);
+    with ``sharding``, on one process of FSDP2 (`torchloom.tools.memory_shard`: its gathered units counted too)."""
     with mode:
         model = fake_copy(source.prototype, mode)
         if checkpoint is not None:
@@ -103,8 +112,12 @@ def trace_activations(
             )
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:  # allocated before the micro-batch, as in a gradient-accumulation window
-            p.grad = torch.zeros_like(p)
+        plan = None if sharding is None else plan_units(
+            model, sharding.layer_classes, sharding.processes, sharding.accumulating
+        )  # fmt: skip
+        if plan is None:  # allocated before the micro-batch, as in a gradient-accumulation window
+            for p in params:  # (FSDP2 keeps them apart from each micro-batch's own: `UnitSimulation`)
+                p.grad = torch.zeros_like(p)
         batch = source.make_batch(model, batch_size, seq_len) if source.make_batch is not None else None
         if autocast_dtype is not None:  # as accelerate.Accelerator.prepare_model wraps the forward
             from accelerate.utils import convert_outputs_to_fp32
@@ -113,12 +126,21 @@ def trace_activations(
         skip = _storage_keys([*model.parameters(), *model.buffers(), *(p.grad for p in params)])
         skip |= _storage_keys(tree_flatten(batch)[0])
         live = _LiveBytes(skip)
+        units = None if plan is None else UnitSimulation(plan, live.add)
         attention = _fused_attention() if fused_attention else contextlib.nullcontext()
         try:
             with live, attention:
+                if units is not None:
+                    units.install()
+                    units.start()
                 loss = source.loss(model, batch, batch_size, seq_len)
                 _check_loss(loss, source.label)
-                loss.backward()
+                with warnings.catch_warnings():  # a first layer whose input needs no gradient: the hook still fires
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
+                    loss.backward()
+                if units is not None:
+                    units.finish()
+                    units.remove()
         except TorchloomError:
             raise
         except Exception as exc:
@@ -126,6 +148,8 @@ def trace_activations(
                 f"estimate_memory: the forward and backward of {source.label} (micro-batch {batch_size}, seq_len "
                 f"{seq_len}) failed on fake tensors: {type(exc).__name__}: {exc}"
             ) from exc
+        if plan is not None and not plan.accumulating:  # the shards created during the backward: their own column
+            return live.peak - plan.gradient_bytes()
         return live.peak
 
 
