@@ -160,3 +160,58 @@ def test_the_command_takes_the_sharding_and_prints_what_the_api_gives(tmp_path, 
         str(tmp_path / "llama"), batch_size=1, seq_len=8, optimizers="adamw", grad_checkpoint=False
     )
     assert printed["rows"][0]["weights"] < whole.rows[0].weights
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+@pytest.mark.parametrize("accumulating", [False, True])
+def test_the_simulated_units_follow_fsdp2s_order_of_gathers_frees_and_reduce_scatters(accumulating):
+    """One micro-batch of a root (input and output layers) and two layers, with every byte count the simulation
+    adds, in order: what FSDP2 allocates and frees around each unit (`torchloom.tools.memory_shard`)."""
+    from torchloom.tools.memory_shard import UnitSimulation
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), _Block(4), _Block(4), torch.nn.Linear(4, 1))
+    plan = plan_units(model, ["_Block"], 2, accumulating=accumulating)
+    root, first, second = (4 * sum(p.numel() for p in group) for group in plan.groups)
+    assert (root, first, second) == (4 * (12 + 4 + 4 + 1), 4 * 20, 4 * 20)
+    shard = [sum(shard_bytes(p, 2) for p in group) for group in plan.groups]
+    added: list[tuple[str, int]] = []
+    simulation = UnitSimulation(plan, lambda n: added.append(("add", n)))
+    simulation.install()
+    simulation.start()
+    added.append(("forward", 0))
+    model(torch.randn(5, 3)).sum().backward()
+    added.append(("backward done", 0))
+    simulation.finish()
+    simulation.remove()
+    gather = lambda full: [("add", full), ("add", full), ("add", -full)]  # noqa: E731 -- output, copy, output freed
+    after_backward = lambda full, i: [  # noqa: E731 -- reduce-scatter copy in and out, the shard, reshard
+        ("add", full),
+        ("add", -full),
+        *([] if accumulating else [("add", shard[i])]),
+        ("add", -full),
+    ]
+    assert added == [
+        *gather(root),
+        ("forward", 0),
+        *gather(first), ("add", -first),  # the first layer's forward, resharded after it
+        *gather(second), ("add", -second),
+        *gather(second), *gather(first),  # the second layer's backward, the first prefetched
+        *after_backward(second, 2),
+        *after_backward(first, 1),  # gathered already: no second all-gather
+        ("backward done", 0),
+        *after_backward(root, 0),
+    ]  # fmt: skip
+    assert all(p.grad is None for p in model.parameters())  # each micro-batch's full gradients are dropped
+    # The hooks are gone: another backward adds nothing
+    added.clear()
+    model(torch.randn(5, 3)).sum().backward()
+    assert added == []
