@@ -1,7 +1,8 @@
 """Plugins under FSDP2 on 2 CPU processes (issue 41, item 2): ``ema``, ``eval_metrics``, ``early_stopping`` and
 ``generate`` in one fit of a tiny Llama (tests/mp/fsdp_plugins_fit.py) give what they give under DDP on the same
-data; ``ema`` keeps each process's shard of the average, validates with it, puts the trained shards back, and a
-resume from a sharded checkpoint is bitwise; ``local_sgd`` stops at start-up."""
+data, and so do ``throughput``'s FLOP count and the memory estimate of the trained model; ``ema`` keeps each
+process's shard of the average, validates with it, puts the trained shards back, and a resume from a sharded
+checkpoint is bitwise; ``local_sgd`` stops at start-up."""
 
 from __future__ import annotations
 
@@ -75,6 +76,17 @@ def test_eval_metrics_early_stopping_and_generate_log_under_fsdp2_what_they_log_
     assert [r["generated"] for r in runs["fsdp"]] == [r["generated"] for r in runs["ddp"]] == [1, 6]
     # early_stopping (mode max on a falling loss, patience 2) stops both at the third validation
     assert fsdp["stopped_step"] == ddp["stopped_step"] == fsdp["global_step"] == 12
+
+
+def test_flops_and_the_memory_estimate_of_a_sharded_model_are_the_whole_models(runs):
+    """The ``throughput`` plugin's FLOP count and `torchloom.estimate_memory` trace a fake copy of the model: of
+    an FSDP2 model too (whose modules refuse ``deepcopy`` and whose parameters are shards), the same as of DDP's."""
+    ddp, fsdp = runs["ddp"], runs["fsdp"]
+    assert [r["flops_per_row"] for r in fsdp] == [r["flops_per_row"] for r in ddp]
+    assert all(f > 0 for f in ddp[0]["flops_per_row"])
+    assert [r["estimated"] for r in fsdp] == [r["estimated"] for r in ddp]  # the loss of its head included
+    assert ddp[0]["estimated"]["model"] == "LlamaForCausalLM"  # not FSDP2's FSDPLlamaForCausalLM
+    assert ddp[0]["estimated"]["weights"] >= 4 * ddp[0]["elements"]  # the whole parameters, not a shard
 
 
 def test_ema_state_resumes_bitwise_from_a_sharded_checkpoint(runs):

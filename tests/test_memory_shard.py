@@ -215,3 +215,45 @@ def test_the_simulated_units_follow_fsdp2s_order_of_gathers_frees_and_reduce_sca
     added.clear()
     model(torch.randn(5, 3)).sum().backward()
     assert added == []
+
+
+def test_edges_of_the_plan_buffers_nested_layers_empty_parameters_and_missing_classes():
+    model = transformers_llama()
+    plan = plan_units(model, None, 2, accumulating=False)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert buffers > 0  # the rotary embedding's inverse frequencies: whole on every process
+    shards = sum(shard_bytes(p, 2) for p in model.parameters())
+    assert plan.parameter_bytes(model) == shards + buffers
+    # An empty parameter (0 rows) takes nothing; the sizes are whole numbers of bytes
+    assert shard_bytes(torch.empty(0, 5), 2) == 0
+    assert isinstance(shard_bytes(torch.empty(5, 3), 2), int)
+    # A layer class that also occurs inside a layer: the outer one is the unit, its inner match belongs to it
+    outer = torch.nn.Sequential(_Block(4), torch.nn.Sequential(_Block(4), torch.nn.Linear(4, 4)))
+    outer[1].__class__ = type("_Block", (torch.nn.Sequential,), {})  # an outer "_Block" holding an inner one
+    nested = plan_units(outer, ["_Block"], 2, accumulating=False)
+    assert [type(m).__name__ for m in nested.layers] == ["_Block", "_Block"]
+    assert [len(g) for g in nested.groups] == [0, 2, 4]  # the second unit holds its inner block and the linear
+    # _no_split_modules that name classes the model does not have
+    model._no_split_modules = ["NoSuchLayer"]
+    with pytest.raises(
+        ConfigError, match=r"none of \['NoSuchLayer'\] is a module of LlamaForCausalLM; its module "
+    ) as e:
+        plan_units(model, None, 2, accumulating=False)
+    assert str(e.value).endswith(
+        "classes: Embedding, Linear, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, "
+        "LlamaMLP, LlamaModel, LlamaRMSNorm, LlamaRotaryEmbedding, ModuleList, SiLUActivation"
+    )
+    model._no_split_modules = None
+    with pytest.raises(ConfigError) as refused:
+        plan_units(model, None, 2, accumulating=False)
+    assert str(refused.value) == (
+        "transformer_layer_cls_to_wrap: LlamaForCausalLM names no layer classes (_no_split_modules); give the class "
+        "names of its repeated layers, e.g. ['LlamaDecoderLayer'], as the fsdp plugin takes them"
+    )
+    with pytest.raises(ConfigError) as refused:
+        plan_units(model, ["LlamaMLP", "Nope", "Nada"], 2, accumulating=False)
+    assert str(refused.value) == (
+        "transformer_layer_cls_to_wrap = ['LlamaMLP', 'Nope', 'Nada']: 'Nope', 'Nada' matches no module of "
+        "LlamaForCausalLM; its module classes: Embedding, Linear, LlamaAttention, LlamaDecoderLayer, "
+        "LlamaForCausalLM, LlamaMLP, LlamaModel, LlamaRMSNorm, LlamaRotaryEmbedding, ModuleList, SiLUActivation"
+    )

@@ -105,6 +105,12 @@ def main() -> None:
         return [full(t).detach().double().flatten().tolist() for t in tensors]
 
     generated = uneven_generation(engine, tokenizer)
+    # The throughput plugin's FLOP count and the memory estimate trace a copy of the (sharded) model
+    from torchloom_plugins.throughput import FlopsPerRow
+
+    unwrapped = acc.unwrap_model(model)  # as the plugin's on_fit_start gets it (FSDP2: the sharded model itself)
+    flops = [FlopsPerRow(unwrapped)(length) for length in (8, 12)]
+    estimate = torchloom.estimate_memory(unwrapped, batch_size=2, seq_len=8, optimizers="adamw", grad_checkpoint=False)
     trained = whole(list(model.parameters()))
     averaged = whole(shadow)
     ema.copy_to(model)  # into the shards under FSDP2
@@ -119,6 +125,11 @@ def main() -> None:
         "elements": sum(t.numel() for t in shadow),
         "updates": ema.updates,
         "generated": generated,
+        "flops_per_row": flops,
+        "estimated": {
+            "model": estimate.model,
+            **{k: getattr(estimate.rows[0], k) for k in ("weights", "gradients", "activations")},
+        },
         "history": engine.history,
         "stopped_step": stopping.stopped_step,
         "global_step": engine.progress.global_step,

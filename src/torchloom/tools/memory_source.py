@@ -4,7 +4,6 @@ model and how to run one micro-batch of it (the inputs and labels a transformers
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -15,6 +14,8 @@ import torch
 
 from torchloom._suggest import closest_name
 from torchloom.errors import ConfigError, TorchloomError
+from torchloom.parallel.copies import copy_module
+from torchloom.parallel.dtensors import is_dtensor
 
 __all__ = [
     "ADAPTER",
@@ -137,7 +138,7 @@ def load_source(
     if adapter_settings is not None:
         built = with_adapter(built, adapter_settings, adapter_plugin)
     prototype = fake_copy(built, mode)
-    label = type(built).__name__
+    label = type(prototype).__name__  # of an FSDP2 model: its own class, not FSDP<Class>
     if forward is not None:
         if not callable(forward):
             raise ConfigError(f"forward = {forward!r}; expected a callable (model, batch_size, seq_len) -> loss")
@@ -403,11 +404,24 @@ def with_adapter(model: torch.nn.Module, settings: Mapping[str, Any], plugin: st
 def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers are on ``meta``, tied parameters still tied (no data)."""
     memo: dict[int, Any] = {}
-    for _, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for _, t in [*named, *_tensor_attributes(model)]:
         if id(t) not in memo:
             data = torch.empty(t.shape, dtype=t.dtype, device="meta")
             memo[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
-    return copy.deepcopy(model, memo)
+    return copy_module(model, memo)
+
+
+def _tensor_attributes(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Tensors that modules hold as plain attributes, neither parameters nor buffers (e.g. a rotary embedding's
+    ``original_inv_freq``, which stops being its buffer once the buffer is moved or reloaded, as FSDP2's
+    preparation does): copied as fake / ``meta`` tensors too, never as real data into a fake copy."""
+    found = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                found.append((f"{prefix}.{name}" if prefix else name, value))
+    return found
 
 
 def fake_copy(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
@@ -424,6 +438,7 @@ def fake_copy(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
         bnb.functional.quantize_4bit(torch.zeros(64), compress_statistics=True)
     with mode:
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        named += _tensor_attributes(model)
         for _, t in named:
             if id(t) in memo:
                 continue
@@ -431,13 +446,17 @@ def fake_copy(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
             if quantized is not None:
                 memo[id(t)] = quantized
                 continue
-            data = torch.empty_like(t, device="cpu" if t.device.type == "meta" else t.device)
+            device = "cpu" if t.device.type == "meta" else t.device
+            if is_dtensor(t):  # an FSDP2 shard: the whole parameter, its global shape
+                data = torch.empty(t.shape, dtype=t.dtype, device=device)
+            else:
+                data = torch.empty_like(t, device=device)
             memo[id(t)] = torch.nn.Parameter(data, t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
         for module in model.modules():  # a 4-bit layer's copy of its weight's state: the same object
             state = getattr(module, "quant_state", None)
             if state is not None:
                 memo[id(state)] = state
-        return copy.deepcopy(model, memo)
+        return copy_module(model, memo)
 
 
 #: The attributes of a bitsandbytes weight that its layer reads in forward, kept on its fake copy.
