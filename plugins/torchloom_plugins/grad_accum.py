@@ -268,6 +268,14 @@ class GradientAccumulation(torchloom.Plugin):
                 count = accelerator.reduce(count, reduction="sum")  # one collective per window
             scale_gradients_(model.parameters(), token_window_scale(steps, accelerator.num_processes, count))
         elif self._micro_batches != steps and self._micro_batches > 0:
+            if str(getattr(accelerator.distributed_type, "value", "")) == "DEEPSPEED":
+                # DeepSpeed stepped inside accelerator.backward with the gradients divided by `steps`
+                raise torchloom.PluginError(
+                    f"grad_accum: a window of {self._micro_batches} micro-batches, fewer than steps={steps}, "
+                    "ended the epoch under DeepSpeed, which has already stepped on its gradients divided by "
+                    f"{steps} (its own accumulation), not by {self._micro_batches}; make the micro-batches of an "
+                    "epoch on each process a multiple of steps (the batch size, drop_last, or steps)"
+                )
             scale_gradients_(model.parameters(), mean_window_scale(steps, self._micro_batches))
 
     def _warn_short_epoch(self, accelerator, epoch_micro_batches: int) -> None:
