@@ -103,6 +103,19 @@ def test_deepspeed_from_the_accelerate_launch_environment_is_the_plugins_zero2(r
     assert runs["env"]["optimizer_types"] == ZERO_OPTIMIZER
     assert runs["env"]["trainable"] == runs["zero2"]["trainable"]
     assert runs["flags"] == {"ACCELERATE_USE_DEEPSPEED": None, "ACCELERATE_USE_CPU": "1"}  # put back after it
+    # --gradient_clipping 0.5 without the grad_clip plugin: DeepSpeed clips as its config says, the same run
+    assert runs["env_clip"]["trainable"] == runs["zero2"]["trainable"]
+    assert runs["env_clip"]["optimizer_types"] == ZERO_OPTIMIZER
+    assert runs["env_clip"]["clipping"] == runs["zero2"]["clipping"] == 0.5
+
+
+@needs_deepspeed
+@pytest.mark.multiprocess
+def test_without_grad_clip_deepspeed_does_not_clip(runs):
+    """Accelerate fills DeepSpeed's gradient_clipping "auto" with 1.0; torchloom with 0 where no plugin clips."""
+    assert runs["noclip"]["distributed_type"] == "DEEPSPEED"
+    assert runs["noclip"]["clipping"] == 0.0
+    assert runs["noclip"]["trainable"] != runs["zero2"]["trainable"]
 
 
 @needs_deepspeed
@@ -148,8 +161,12 @@ def test_lora_under_zero2_trains_as_under_ddp_saves_the_adapter_and_resumes_bitw
 REFUSALS = {
     "zero3": "ConfigError: DeepSpeed was requested (deepspeed) on 2 CPU processes with ZeRO stage 3: ",
     "offload": "ConfigError: DeepSpeed was requested (deepspeed) on 2 CPU processes with offload_optimizer to 'cpu'",
-    "clip_value": "ConfigError: DeepSpeed was requested (deepspeed) with the grad_clip plugin's clip_value 0.1: ",
-    "tokens": "ConfigError: DeepSpeed was requested (deepspeed) with the grad_accum plugin's normalization 'tokens'",
+    "clip_value": "ConfigError: plugin 'grad_clip' under DeepSpeed, which clips the gradients inside its own step "
+    "(its gradient_clipping), so this plugin cannot clip them otherwise: setting 'clip_value' = 0.1: ",
+    "clip_explicit": "ConfigError: plugin 'grad_clip' under DeepSpeed, which clips the gradients inside its own step "
+    "(its gradient_clipping), so this plugin cannot clip them otherwise: max_norm 0.5, but the DeepSpeed config's "
+    "gradient_clipping is 1.0; ",
+    "tokens": "ConfigError: plugin 'grad_accum': setting 'normalization' = 'tokens' under DeepSpeed: ",
     "bf16": "ConfigError: DeepSpeed was requested (deepspeed) on 2 CPU processes with mixed precision (bf16): ",
     "short_window": "PluginError: grad_accum: a window of 1 micro-batches, fewer than steps=3, ended the epoch under "
     "DeepSpeed",
@@ -198,30 +215,22 @@ def test_deepspeed_on_one_process_stops_at_start_up_and_leaves_no_flag_behind(tm
     ("environment", "plugins", "message"),
     [
         (
-            {"ACCELERATE_GRADIENT_CLIPPING": "1.0"},
-            {"grad_clip": {"max_norm": 0.5}},
-            "with gradient_clipping 1.0 in its DeepSpeed config, and the grad_clip plugin's max_norm is 0.5: ",
-        ),
-        (
             {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"},
             {},
-            "with gradient_accumulation_steps 4 in its DeepSpeed config, but no grad_accum plugin: ",
+            "with gradient_accumulation_steps 4 in its DeepSpeed config, but the run accumulates 1 micro-batch(es) ",
         ),
         (
             {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"},
             {"grad_accum": {"steps": 2}},
-            "with gradient_accumulation_steps 4 in its DeepSpeed config, but the grad_accum plugin's steps is 2: ",
+            "with gradient_accumulation_steps 4 in its DeepSpeed config, but the run accumulates 2 micro-batch(es) ",
         ),
-        # DeepSpeed's own clipping with no grad_clip plugin is what the config asks: it goes on (to the one-process
-        # refusal, on this one process)
-        ({"ACCELERATE_GRADIENT_CLIPPING": "1.0"}, {}, " on 1 CPU process: it needs several processes"),
     ],
 )
-def test_deepspeed_settings_that_the_engines_plugins_would_contradict_stop_at_start_up(
+def test_a_deepspeed_accumulation_that_the_engine_would_not_follow_stops_at_start_up(
     tmp_path, monkeypatch, environment, plugins, message
 ):
-    """What ``accelerate launch --use_deepspeed --gradient_clipping 1.0`` (or ``--gradient_accumulation_steps 4``)
-    sets: DeepSpeed would clip (accumulate) otherwise than the run's grad_clip (grad_accum) plugin, or none."""
+    """What ``accelerate launch --use_deepspeed --gradient_accumulation_steps 4`` sets: DeepSpeed would accumulate
+    otherwise than the run's grad_accum plugin (or none); refused before any process group is needed."""
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     for key, value in environment.items():
         monkeypatch.setenv(key, value)

@@ -157,12 +157,13 @@ INTERNALS: tuple[Internal, ...] = (
     ),
     Internal(
         "accelerate.accelerator.Accelerator._prepare_deepspeed",
-        "deepspeed_interactions: Accelerate fills DeepSpeed's gradient_clipping 'auto' with 1.0 (clipping that no "
-        "plugin asked for), so torchloom fills it from the grad_clip plugin (0 without it) before Accelerate does",
+        "settle_deepspeed_clipping: Accelerate fills DeepSpeed's gradient_clipping 'auto' with 1.0 (clipping that no "
+        "plugin asked for): a plugin that clips sets it in configure_model, and torchloom makes what is left 'auto' 0 "
+        "before accelerator.prepare",
         (_ACC,),
         kind="source",
         contains=('"gradient_clipping": 1.0',),
-        names=("deepspeed_interactions",),
+        names=("settle_deepspeed_clipping",),
     ),
     Internal(
         "accelerate.state.PartialState",

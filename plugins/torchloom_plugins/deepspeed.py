@@ -12,9 +12,9 @@ Method card
   ``Accelerator`` (``configure_accelerator``); Accelerate's ``prepare`` calls ``deepspeed.initialize``. The same
   settings come from an Accelerate config file (``accelerate launch --use_deepspeed --zero_stage 2``); this plugin
   is the engine's own way to ask, from a torchloom config. DeepSpeed accumulates, clips and steps inside
-  ``accelerator.backward`` of a window's last micro-batch: torchloom sets DeepSpeed's ``gradient_clipping`` from
-  the ``grad_clip`` plugin (0, no clipping, without it) and its accumulation from ``grad_accum``, and refuses what
-  DeepSpeed's step would silently not do (``_accelerator.deepspeed_interactions``). On CPU processes (gloo)
+  ``accelerator.backward`` of a window's last micro-batch: the ``grad_clip`` plugin sets DeepSpeed's
+  ``gradient_clipping`` (its ``configure_model``; 0, no clipping, without it), its accumulation is the run's
+  (``grad_accum``), and what DeepSpeed's step would silently not do is refused at start-up. On CPU processes (gloo)
   torchloom lets Accelerate choose DeepSpeed, which it otherwise does not under ``cpu=True`` (one documented
   place: ``torchloom._accelerator.sharding_on_cpu``): ZeRO-1 and ZeRO-2 there; ZeRO-3 and offload are refused.
 - **Checkpoints:** DeepSpeed's own (``engine.save_checkpoint`` through Accelerate's ``save_state``: every

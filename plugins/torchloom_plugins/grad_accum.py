@@ -157,7 +157,8 @@ def _times(count: torch.Tensor | float, tensor: torch.Tensor) -> torch.Tensor:
 class GradientAccumulation(torchloom.Plugin):
     """Accumulate gradients over ``steps`` micro-batches per optimizer step, normalised exactly.
 
-    Implements ``configure_accelerator``, ``run_train_step`` (wrapper), ``before_backward`` and
+    Implements ``configure_accelerator``, ``configure_model`` (under DeepSpeed: refuses ``normalization`` by
+    items), ``run_train_step`` (wrapper), ``before_backward`` and
     ``before_optimizer_step`` (``tryfirst``). See the module docstring for the method and
     ``docs/plugins/grad_accum.md`` for the settings.
 
@@ -194,6 +195,16 @@ class GradientAccumulation(torchloom.Plugin):
     @torchloom.hookimpl
     def configure_accelerator(self) -> dict[str, Any]:
         return {"gradient_accumulation_steps": self.config.steps}
+
+    @torchloom.hookimpl
+    def configure_model(self, accelerator) -> None:
+        if self._by_items and str(getattr(accelerator.distributed_type, "value", "")) == "DEEPSPEED":
+            raise torchloom.ConfigError(
+                f"plugin 'grad_accum': setting 'normalization' = {self.config.normalization!r} under DeepSpeed: it "
+                "rescales the window's gradients by its item count before the optimizer step, and DeepSpeed has "
+                "already stepped inside accelerator.backward by then; use normalization 'mean' under DeepSpeed "
+                "(DeepSpeed divides each micro-batch's loss by steps)"
+            )
 
     @torchloom.hookimpl
     def on_fit_start(self) -> None:

@@ -25,9 +25,15 @@ from accelerate.utils import DataLoaderConfiguration, DistributedType, str_to_bo
 
 from torchloom.config import EngineConfig
 from torchloom.errors import ConfigError, PluginError
-from torchloom.plugins import HookRelay, plugin_name
+from torchloom.plugins import HookRelay
 
-__all__ = ["LIST_KWARGS", "build_accelerator", "note_run_failed", "restore_launch_environment"]
+__all__ = [
+    "LIST_KWARGS",
+    "build_accelerator",
+    "note_run_failed",
+    "restore_launch_environment",
+    "settle_deepspeed_clipping",
+]
 
 
 #: Accelerator arguments that are lists: fragments from several plugins are concatenated, not compared.
@@ -76,7 +82,7 @@ def build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
     if sharding is not None and sharding.kind == "DeepSpeed" and importlib.util.find_spec("deepspeed") is None:
         raise deepspeed_missing(sharding)
     if sharding is not None and sharding.kind == "DeepSpeed":
-        deepspeed_interactions(relay, kwargs, sharding)
+        deepspeed_settings(kwargs, sharding)
     # AcceleratorState is a per-process singleton: clear the previous run's settings (mixed precision,
     # accumulation) so that several engines can run one after another in one process. The process group
     # (PartialState) is kept.
@@ -230,13 +236,7 @@ def sharding_on_cpu(kwargs: dict[str, Any], sharding: Sharding | None) -> Iterat
 
 def _check_deepspeed_on_cpu(kwargs: Mapping[str, Any], where: str) -> None:
     """Refuse the DeepSpeed settings that do not run on CPU processes (`sharding_on_cpu`)."""
-    plugin = kwargs.get("deepspeed_plugin")
-    if plugin is None and kwargs.get("deepspeed_plugins") is not None:
-        plugin = next(iter(kwargs["deepspeed_plugins"].values()))
-    if plugin is None:  # from the launcher's environment, as the Accelerator will build it
-        from accelerate.utils import DeepSpeedPlugin
-
-        plugin = DeepSpeedPlugin()
+    plugin = deepspeed_plugins(kwargs)[0]  # the active one (deepspeed_settings put it there)
     zero = plugin.deepspeed_config.get("zero_optimization", {})
     stage = int(zero.get("stage", plugin.zero_stage if plugin.zero_stage is not None else 0))
     if stage not in DEEPSPEED_CPU_STAGES:
@@ -263,73 +263,55 @@ def _check_deepspeed_on_cpu(kwargs: Mapping[str, Any], where: str) -> None:
             )
 
 
-def deepspeed_interactions(relay: HookRelay, kwargs: dict[str, Any], sharding: Sharding) -> None:
-    """Give DeepSpeed what the run's plugins ask of the optimizer step, or refuse what it would not do.
+def deepspeed_settings(kwargs: dict[str, Any], sharding: Sharding) -> None:
+    """Put in ``kwargs["deepspeed_plugin"]`` the plugin that DeepSpeed is built from (from the launcher's environment,
+    ``ACCELERATE_USE_DEEPSPEED``, as the Accelerator would build it), and refuse an accumulation it would not follow.
 
     DeepSpeed accumulates, clips and steps inside ``accelerator.backward`` of a window's last micro-batch, before
-    any ``before_optimizer_step`` hook: a plugin that clips or rescales the gradients there changes nothing. So a
-    DeepSpeed ``gradient_clipping`` of ``"auto"`` becomes the ``grad_clip`` plugin's ``max_norm`` (0, no clipping,
-    without it; Accelerate would fill it with 1.0), an explicit one must equal it; DeepSpeed's
-    ``gradient_accumulation_steps``, when explicit, must be the ``grad_accum`` plugin's ``steps`` (1 without it:
-    the engine's windows are grad_accum's); and a ``grad_accum`` that normalises by items is refused. The
-    plugin that DeepSpeed is built from (from the launcher's environment, ``ACCELERATE_USE_DEEPSPEED``, as the
-    Accelerator would build it) is put in ``kwargs["deepspeed_plugin"]``.
+    any ``before_optimizer_step`` hook. Its ``gradient_accumulation_steps``, when explicit, must be the run's
+    (``gradient_accumulation_steps`` of the plugins' Accelerator settings, 1 by default): Accelerate would take
+    DeepSpeed's, which the engine's windows do not follow. Its ``gradient_clipping`` is the business of the plugins
+    that clip (their ``configure_model``), and of `settle_deepspeed_clipping` after them.
 
     Raises:
-        ConfigError: ``grad_clip`` by value or with a norm other than 2, a DeepSpeed ``gradient_clipping`` that is
-            not the ``grad_clip`` plugin's, a DeepSpeed ``gradient_accumulation_steps`` that is not ``grad_accum``'s,
-            or ``grad_accum`` with ``normalization`` other than ``"mean"``.
+        ConfigError: an explicit DeepSpeed ``gradient_accumulation_steps`` other than the run's.
     """
     from accelerate.utils import DeepSpeedPlugin
 
     if kwargs.get("deepspeed_plugin") is None and kwargs.get("deepspeed_plugins") is None:
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin()  # reads ACCELERATE_DEEPSPEED_* as the Accelerator would
-    several = kwargs.get("deepspeed_plugins")
-    ds_plugins = list(several.values()) if isinstance(several, dict) else [several or kwargs["deepspeed_plugin"]]
-    by_name = {plugin_name(p): p for p in relay.plugins}
-    where = f"DeepSpeed was requested ({sharding.source})"
-    clip, accum = by_name.get("grad_clip"), by_name.get("grad_accum")
-    wanted = 0.0
-    if clip is not None:
-        if clip.config.clip_value is not None:
-            raise ConfigError(
-                f"{where} with the grad_clip plugin's clip_value {clip.config.clip_value}: DeepSpeed clips the "
-                "gradients inside its own step, by their total 2-norm only (its gradient_clipping); clip by norm "
-                "(grad_clip max_norm), or remove grad_clip"
-            )
-        if clip.config.norm_type != 2:
-            raise ConfigError(
-                f"{where} with the grad_clip plugin's norm_type {clip.config.norm_type}: DeepSpeed clips the total "
-                "2-norm only, inside its own step; use norm_type 2"
-            )
-        wanted = float(clip.config.max_norm)
-    steps = int(accum.config.steps) if accum is not None else 1
-    for ds in ds_plugins:
-        config = ds.deepspeed_config
-        current = config.get("gradient_clipping", 0.0)
-        if current == "auto":
-            config["gradient_clipping"] = ds.gradient_clipping = wanted
-        elif clip is not None and float(current) != wanted:
-            raise ConfigError(
-                f"{where} with gradient_clipping {current} in its DeepSpeed config, and the grad_clip plugin's "
-                f"max_norm is {wanted:g}: DeepSpeed clips inside its own step, so the two must agree; set the "
-                'DeepSpeed config\'s gradient_clipping to "auto" (torchloom fills it from grad_clip) or to the same '
-                "value, or remove grad_clip"
-            )
-        accumulation = config.get("gradient_accumulation_steps", "auto")
+    steps = int(kwargs.get("gradient_accumulation_steps", 1))
+    for ds in deepspeed_plugins(kwargs):
+        accumulation = ds.deepspeed_config.get("gradient_accumulation_steps", "auto")
         if accumulation != "auto" and int(accumulation) != steps:
-            asked = f"the grad_accum plugin's steps is {steps}" if accum is not None else "no grad_accum plugin"
             raise ConfigError(
-                f"{where} with gradient_accumulation_steps {accumulation} in its DeepSpeed config, but {asked}: "
-                "Accelerate would take DeepSpeed's value, which the engine's accumulation windows do not follow; set "
-                'it to "auto" (torchloom fills it from grad_accum, 1 without it) or to the same value'
+                f"DeepSpeed was requested ({sharding.source}) with gradient_accumulation_steps {accumulation} in its "
+                f"DeepSpeed config, but the run accumulates {steps} micro-batch(es) per optimizer step (the "
+                "grad_accum plugin's steps; 1 without it): Accelerate would take DeepSpeed's value, which the "
+                "engine's accumulation windows do not follow; set it to \"auto\" (filled from the run's) or to the "
+                "same value"
             )
-    if accum is not None and accum.config.normalization != "mean":
-        raise ConfigError(
-            f"{where} with the grad_accum plugin's normalization {accum.config.normalization!r}: it rescales the "
-            "window's gradients by its item count before the optimizer step, and DeepSpeed has already stepped "
-            "inside accelerator.backward by then; use normalization 'mean' under DeepSpeed"
-        )
+
+
+def deepspeed_plugins(kwargs: Mapping[str, Any]) -> list[Any]:
+    """The ``DeepSpeedPlugin`` objects of the Accelerator settings ``kwargs`` (``deepspeed_plugin`` or the values of
+    ``deepspeed_plugins``)."""
+    several = kwargs.get("deepspeed_plugins")
+    if isinstance(several, Mapping):
+        return list(several.values())
+    one = several if several is not None else kwargs.get("deepspeed_plugin")
+    return [one] if one is not None else []
+
+
+def settle_deepspeed_clipping(accelerator: Accelerator) -> None:
+    """Make a DeepSpeed ``gradient_clipping`` that is still ``"auto"`` after the plugins' ``configure_model`` 0 (no
+    clipping): no plugin asked for clipping (one that clips sets it there), and Accelerate would fill it with 1.0.
+    Called before ``accelerator.prepare``; nothing without DeepSpeed."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    for ds in deepspeed_plugins({"deepspeed_plugins": accelerator.state.deepspeed_plugins}):
+        if ds.deepspeed_config.get("gradient_clipping") == "auto":
+            ds.deepspeed_config["gradient_clipping"] = ds.gradient_clipping = 0.0
 
 
 def deepspeed_missing(sharding: Sharding) -> ConfigError:

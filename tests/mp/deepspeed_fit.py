@@ -3,7 +3,8 @@
 A tiny Llama with the plugin set DeepSpeed takes over (grad_accum by the mean, grad_clip at 0.5, AdamW, checkpoints
 every 4 optimizer steps). Arguments: the output directory. In order, each in a new Engine: the DDP fit, ZeRO-1 and
 ZeRO-2 (the ``deepspeed`` plugin; ZeRO-2 with ``save_model``), ZeRO-2 resumed from its step-8 checkpoint, ZeRO-2
-from the environment ``accelerate launch --use_deepspeed --zero_stage 2`` sets, LoRA (the ``peft`` plugin) under
+from the environment ``accelerate launch --use_deepspeed --zero_stage 2`` sets (and with ``--gradient_clipping
+0.5`` instead of the grad_clip plugin), ZeRO-2 without grad_clip, LoRA (the ``peft`` plugin) under
 DDP, under ZeRO-2 and resumed, and the requests that must stop at start-up (their errors). Writes
 ``result-<rank>.json``: for each fit its distributed type, the classes of the prepared model and optimizer, the
 trainable parameters after it, the logged history, the checkpoints and the run directory.
@@ -40,6 +41,15 @@ REFUSED = {
     "bf16": {"mixed_precision": {"dtype": "bf16"}},
     # 16 micro-batches per process and epoch: windows of 3 leave one of 1 at the end of epoch 0 (during the fit)
     "short_window": {"grad_accum": {"steps": 3}},
+    # accelerate launch --use_deepspeed --gradient_clipping 1.0 (below), and grad_clip's max_norm 0.5
+    "clip_explicit": {},
+}
+#: The environment of the fits that take DeepSpeed from it (no deepspeed plugin).
+ENVIRONMENTS = {
+    "env": ACCELERATE_DEEPSPEED_ENV,
+    "clip_explicit": {**ACCELERATE_DEEPSPEED_ENV, "ACCELERATE_GRADIENT_CLIPPING": "1.0"},
+    # DeepSpeed's own clipping at 0.5 without the grad_clip plugin: the same run as zero2's
+    "env_clip": {**ACCELERATE_DEEPSPEED_ENV, "ACCELERATE_GRADIENT_CLIPPING": "0.5"},
 }
 
 
@@ -88,14 +98,27 @@ def plugins_for(name: str) -> dict[str, Any]:
         "grad_clip": {"max_norm": 0.5},  # not 1.0, what Accelerate would fill DeepSpeed's "auto" with
         "checkpoint": {"every_n_steps": 4, "every_n_epochs": None, "keep_last": None},
     }
-    if name in ("zero1", "zero2", "peft_zero2") or name in REFUSED:
+    if name in ("zero1", "zero2", "peft_zero2") or (name in REFUSED and name not in ENVIRONMENTS):
         plugins["deepspeed"] = {"zero_stage": 1 if name == "zero1" else 2}
+    if name in ("env_clip", "noclip"):
+        del plugins["grad_clip"]
+    if name == "noclip":
+        plugins["deepspeed"] = {"zero_stage": 2}
     if name.startswith("peft"):
         plugins["peft"] = {**LORA, "merge": True}
     return {**plugins, **REFUSED.get(name, {})}
 
 
 def fit(out: Path, name: str, resume: str | None = None, save_model: bool = False) -> dict[str, Any]:
+    os.environ.update(ENVIRONMENTS.get(name, {}))
+    try:
+        return _fit(out, name, resume, save_model)
+    finally:
+        for key in ENVIRONMENTS.get(name, {}):
+            del os.environ[key]
+
+
+def _fit(out: Path, name: str, resume: str | None, save_model: bool) -> dict[str, Any]:
     engine = torchloom.Engine(
         output_dir=str(out / name), max_epochs=2, seed=0, log_every_n_steps=2,
         save_model=save_model or name.startswith("peft"),  # merge: true needs it
@@ -113,6 +136,8 @@ def fit(out: Path, name: str, resume: str | None = None, save_model: bool = Fals
         "distributed_type": str(acc.distributed_type.value),
         "model_type": type(model).__name__,
         "optimizer_types": chain,
+        # what DeepSpeed's engine clips at (0: not at all)
+        "clipping": model.gradient_clipping() if hasattr(model, "gradient_clipping") else None,
         "trainable": {n: p.detach().double().flatten().tolist() for n, p in named.items() if p.requires_grad},
         "history": engine.history,
         "global_step": engine.progress.global_step,
@@ -131,10 +156,9 @@ def main() -> None:
     for name in ("ddp", "zero1", "zero2"):
         results[name] = fit(out, name, save_model=name == "zero2")
     results["resumed"] = fit(out / "resumed", "zero2", resume=middle(results["zero2"]))
-    os.environ.update(ACCELERATE_DEEPSPEED_ENV)
     results["env"] = fit(out, "env")
-    for key in ACCELERATE_DEEPSPEED_ENV:
-        del os.environ[key]
+    results["env_clip"] = fit(out, "env_clip")
+    results["noclip"] = fit(out, "noclip")
     results["peft_ddp"] = fit(out, "peft_ddp")
     results["peft_zero2"] = fit(out, "peft_zero2", save_model=True)
     results["peft_resumed"] = fit(out / "resumed", "peft_zero2", resume=middle(results["peft_zero2"]))
