@@ -239,3 +239,33 @@ def test_a_deepspeed_accumulation_that_the_engine_would_not_follow_stops_at_star
         engine.fit(TinyTask())
     assert str(info.value).startswith("DeepSpeed was requested (ACCELERATE_USE_DEEPSPEED (accelerate launch))")
     assert message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("saved", "now"), [("DEEPSPEED", "MULTI_CPU"), ("MULTI_CPU", "DEEPSPEED"), ("NO", "DEEPSPEED")]
+)
+def test_a_checkpoint_with_deepspeed_on_one_side_only_is_refused_before_loading(saved, now):
+    """DeepSpeed's files are read by DeepSpeed's load_checkpoint, a DDP checkpoint's by Accelerate's load_state
+    without DeepSpeed: a resume across the two is refused with the reason (on the same number of processes, where
+    the re-sharding rules let it through)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from torchloom.checkpoint.compat import check_compatible
+
+    model = torch.nn.Linear(2, 2)
+    manifest = {
+        "world_size": 2,
+        "distributed_type": f"DistributedType.{saved}",
+        "model": {"parameters": {n: list(p.shape) for n, p in model.named_parameters()}},
+        "optimizer": {"class": "AdamW"},
+    }
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def run(kind: str) -> SimpleNamespace:
+        return SimpleNamespace(num_processes=2, distributed_type=DistributedType(kind), unwrap_model=lambda m: m)
+
+    with pytest.raises(torchloom.CheckpointError, match=f"it was written under {saved} and this run is {now}: "):
+        check_compatible(manifest, accelerator=run(now), model=model, optimizer=optimizer, reset_optimizer=False)
+    assert check_compatible(manifest, accelerator=run(saved), model=model, optimizer=optimizer, reset_optimizer=False)
