@@ -189,8 +189,8 @@ def sharding_on_cpu(kwargs: dict[str, Any], sharding: Sharding | None) -> Iterat
 
     Raises:
         ConfigError: FSDP1 on CPU processes (it wants an accelerator device); DeepSpeed on one CPU process, or on CPU
-            processes with ZeRO-3
-            (DeepSpeed's parameter partitioning does not run on its CPU accelerator here) or with an offload of the
+            processes with ZeRO-3 (a ZeRO-3 fit does run there, but torchloom has not tested it against DDP, nor its
+            checkpoints, resume or export; ZeRO-3 checkpoints hold partitioned parameters) or with an offload of the
             optimizer or parameters (the processes' state is in CPU memory already, and DeepSpeed's CPU Adam is a
             compiled op that a ``DS_BUILD_OPS=0`` install does not have).
     """
@@ -235,15 +235,16 @@ def sharding_on_cpu(kwargs: dict[str, Any], sharding: Sharding | None) -> Iterat
 
 
 def _check_deepspeed_on_cpu(kwargs: Mapping[str, Any], where: str) -> None:
-    """Refuse the DeepSpeed settings that do not run on CPU processes (`sharding_on_cpu`)."""
+    """Refuse the DeepSpeed settings that torchloom does not run on CPU processes (`sharding_on_cpu`)."""
     plugin = deepspeed_plugins(kwargs)[0]  # the active one (deepspeed_settings put it there)
     zero = plugin.deepspeed_config.get("zero_optimization", {})
     stage = int(zero.get("stage", plugin.zero_stage if plugin.zero_stage is not None else 0))
     if stage not in DEEPSPEED_CPU_STAGES:
         raise ConfigError(
             f"{where} with ZeRO stage {stage}: on CPU processes torchloom runs DeepSpeed ZeRO stages "
-            f"{' and '.join(map(str, DEEPSPEED_CPU_STAGES))} only (ZeRO-3 is not tested on DeepSpeed's CPU "
-            "accelerator here); use zero_stage 1 or 2, or FSDP2 (the fsdp plugin) to shard the parameters too"
+            f"{' and '.join(map(str, DEEPSPEED_CPU_STAGES))} only (ZeRO-3 trains there, but torchloom does not "
+            "test it against DDP, nor its checkpoints, resume and export, so it does not run it untested); use "
+            "zero_stage 1 or 2, or FSDP2 (the fsdp plugin) to shard the parameters too"
         )
     precision = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     enabled = [k for k in ("fp16", "bf16") if str((plugin.deepspeed_config.get(k) or {}).get("enabled")) == "True"]
