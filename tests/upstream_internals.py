@@ -142,11 +142,28 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "accelerate.state.AcceleratorState.__init__",
         "sharding_on_cpu: Accelerate chooses FSDP inside the branch for GPU-like distributed types, which lists "
-        "MULTI_GPU; if FSDP moves out of that branch (or MULTI_CPU joins it), the gate lifted there is not needed",
+        "MULTI_GPU; if FSDP moves out of that branch (or MULTI_CPU joins it), the gate lifted there is not needed. "
+        "It chooses DeepSpeed only when cpu is false (ACCELERATE_USE_CPU sets it), so DeepSpeed's Accelerator on CPU "
+        "processes is built with cpu=False and ACCELERATE_USE_CPU hidden, over the CPU process group already made",
         (_ACC,),
         kind="source",
-        contains=("DistributedType.MULTI_GPU,", "self.distributed_type = DistributedType.FSDP"),
+        contains=(
+            "DistributedType.MULTI_GPU,",
+            "self.distributed_type = DistributedType.FSDP",
+            'os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and not cpu',
+            'parse_flag_from_env("ACCELERATE_USE_CPU")',
+        ),
         names=("sharding_on_cpu",),
+    ),
+    Internal(
+        "accelerate.accelerator.Accelerator._prepare_deepspeed",
+        "settle_deepspeed_clipping: Accelerate fills DeepSpeed's gradient_clipping 'auto' with 1.0 (clipping that no "
+        "plugin asked for): a plugin that clips sets it in configure_model, and torchloom makes what is left 'auto' 0 "
+        "before accelerator.prepare",
+        (_ACC,),
+        kind="source",
+        contains=('"gradient_clipping": 1.0',),
+        names=("settle_deepspeed_clipping",),
     ),
     Internal(
         "accelerate.state.PartialState",

@@ -157,7 +157,8 @@ def _times(count: torch.Tensor | float, tensor: torch.Tensor) -> torch.Tensor:
 class GradientAccumulation(torchloom.Plugin):
     """Accumulate gradients over ``steps`` micro-batches per optimizer step, normalised exactly.
 
-    Implements ``configure_accelerator``, ``run_train_step`` (wrapper), ``before_backward`` and
+    Implements ``configure_accelerator``, ``configure_model`` (under DeepSpeed: refuses ``normalization`` by
+    items), ``run_train_step`` (wrapper), ``before_backward`` and
     ``before_optimizer_step`` (``tryfirst``). See the module docstring for the method and
     ``docs/plugins/grad_accum.md`` for the settings.
 
@@ -194,6 +195,16 @@ class GradientAccumulation(torchloom.Plugin):
     @torchloom.hookimpl
     def configure_accelerator(self) -> dict[str, Any]:
         return {"gradient_accumulation_steps": self.config.steps}
+
+    @torchloom.hookimpl
+    def configure_model(self, accelerator) -> None:
+        if self._by_items and str(getattr(accelerator.distributed_type, "value", "")) == "DEEPSPEED":
+            raise torchloom.ConfigError(
+                f"plugin 'grad_accum': setting 'normalization' = {self.config.normalization!r} under DeepSpeed: it "
+                "rescales the window's gradients by its item count before the optimizer step, and DeepSpeed has "
+                "already stepped inside accelerator.backward by then; use normalization 'mean' under DeepSpeed "
+                "(DeepSpeed divides each micro-batch's loss by steps)"
+            )
 
     @torchloom.hookimpl
     def on_fit_start(self) -> None:
@@ -268,6 +279,14 @@ class GradientAccumulation(torchloom.Plugin):
                 count = accelerator.reduce(count, reduction="sum")  # one collective per window
             scale_gradients_(model.parameters(), token_window_scale(steps, accelerator.num_processes, count))
         elif self._micro_batches != steps and self._micro_batches > 0:
+            if str(getattr(accelerator.distributed_type, "value", "")) == "DEEPSPEED":
+                # DeepSpeed stepped inside accelerator.backward with the gradients divided by `steps`
+                raise torchloom.PluginError(
+                    f"grad_accum: a window of {self._micro_batches} micro-batches, fewer than steps={steps}, "
+                    "ended the epoch under DeepSpeed, which has already stepped on its gradients divided by "
+                    f"{steps} (its own accumulation), not by {self._micro_batches}; make the micro-batches of an "
+                    "epoch on each process a multiple of steps (the batch size, drop_last, or steps)"
+                )
             scale_gradients_(model.parameters(), mean_window_scale(steps, self._micro_batches))
 
     def _warn_short_epoch(self, accelerator, epoch_micro_batches: int) -> None:

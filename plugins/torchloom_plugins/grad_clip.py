@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,7 +69,8 @@ class GradientClippingConfig:
 class GradientClipping(torchloom.Plugin):
     """Clip the total gradient norm once per optimizer step and log it as ``grad_norm`` (or clip by value).
 
-    Implements ``before_optimizer_step``. See the module docstring and ``docs/plugins/grad_clip.md``.
+    Implements ``configure_model`` (under DeepSpeed: its ``gradient_clipping``) and ``before_optimizer_step``. See
+    the module docstring and ``docs/plugins/grad_clip.md``.
 
     Example:
 
@@ -81,6 +83,34 @@ class GradientClipping(torchloom.Plugin):
     Config = GradientClippingConfig
 
     @torchloom.hookimpl
+    def configure_model(self, accelerator) -> None:
+        """Under DeepSpeed, which clips inside its own step (in ``accelerator.backward``, before this plugin's
+        ``before_optimizer_step``): make its ``gradient_clipping`` ``max_norm`` (from ``"auto"``), or refuse what it
+        would not do."""
+        if str(getattr(accelerator.distributed_type, "value", "")) != "DEEPSPEED":
+            return
+        c = self.config
+        why = None
+        if c.clip_value is not None:
+            why = f"setting 'clip_value' = {c.clip_value}: DeepSpeed clips by the total 2-norm only"
+        elif c.norm_type != 2:
+            why = f"setting 'norm_type' = {c.norm_type}: DeepSpeed clips by the total 2-norm only"
+        for ds in _deepspeed_plugins(accelerator):
+            current = ds.deepspeed_config.get("gradient_clipping", 0.0)
+            if why is None and current == "auto":
+                ds.deepspeed_config["gradient_clipping"] = ds.gradient_clipping = float(c.max_norm)
+            elif why is None and float(current) != float(c.max_norm):
+                why = (
+                    f"max_norm {c.max_norm:g}, but the DeepSpeed config's gradient_clipping is {current}; set it to "
+                    '"auto" (filled from max_norm) or to the same value'
+                )
+        if why is not None:
+            raise torchloom.ConfigError(
+                f"plugin 'grad_clip' under DeepSpeed, which clips the gradients inside its own step (its "
+                f"gradient_clipping), so this plugin cannot clip them otherwise: {why}"
+            )
+
+    @torchloom.hookimpl
     def before_optimizer_step(self, model: torch.nn.Module, accelerator, log) -> None:
         if self.config.clip_value is not None:  # by value: unscales once (fp16), then clamps every element
             accelerator.clip_grad_value_(model.parameters(), self.config.clip_value)
@@ -90,3 +120,9 @@ class GradientClipping(torchloom.Plugin):
         norm = accelerator.clip_grad_norm_(model.parameters(), self.config.max_norm, norm_type=self.config.norm_type)
         if norm is not None:
             log("grad_norm", norm)
+
+
+def _deepspeed_plugins(accelerator: Any) -> list[Any]:
+    """The Accelerator's DeepSpeed plugins (Accelerate keeps one, or a dict of several)."""
+    plugins = accelerator.state.deepspeed_plugins
+    return list(plugins.values()) if isinstance(plugins, dict) else [plugins] if plugins is not None else []

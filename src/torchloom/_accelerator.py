@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import os
 import sys
 import threading
@@ -26,7 +27,13 @@ from torchloom.config import EngineConfig
 from torchloom.errors import ConfigError, PluginError
 from torchloom.plugins import HookRelay
 
-__all__ = ["LIST_KWARGS", "build_accelerator", "note_run_failed", "restore_launch_environment"]
+__all__ = [
+    "LIST_KWARGS",
+    "build_accelerator",
+    "note_run_failed",
+    "restore_launch_environment",
+    "settle_deepspeed_clipping",
+]
 
 
 #: Accelerator arguments that are lists: fragments from several plugins are concatenated, not compared.
@@ -72,6 +79,10 @@ def build_accelerator(relay: HookRelay, config: EngineConfig) -> Accelerator:
         # independent single-process job. With it, the processes form one gloo data-parallel group.
         kwargs.setdefault("cpu", True)
     sharding = requested_sharding(kwargs, owners)
+    if sharding is not None and sharding.kind == "DeepSpeed" and importlib.util.find_spec("deepspeed") is None:
+        raise deepspeed_missing(sharding)
+    if sharding is not None and sharding.kind == "DeepSpeed":
+        deepspeed_settings(kwargs, sharding)
     # AcceleratorState is a per-process singleton: clear the previous run's settings (mixed precision,
     # accumulation) so that several engines can run one after another in one process. The process group
     # (PartialState) is kept.
@@ -156,37 +167,62 @@ def requested_sharding(kwargs: dict[str, Any], owners: Mapping[str, str]) -> Sha
 _LIFTED: set[str] = set()
 
 
+#: The ZeRO stages that `sharding_on_cpu` lets DeepSpeed run on CPU processes (see its docstring for 3 and offload).
+DEEPSPEED_CPU_STAGES = (1, 2)
+
+
 @contextlib.contextmanager
-def sharding_on_cpu(kwargs: Mapping[str, Any], sharding: Sharding | None) -> Iterator[None]:
-    """Let Accelerate choose FSDP2 for a group of CPU processes (gloo) while the ``Accelerator`` is built.
+def sharding_on_cpu(kwargs: dict[str, Any], sharding: Sharding | None) -> Iterator[None]:
+    """Let Accelerate choose FSDP2 or DeepSpeed (ZeRO-1, ZeRO-2) for a group of CPU processes (gloo) while the
+    ``Accelerator`` is built.
 
     Accelerate (1.15) chooses FSDP only for GPU-like distributed types: ``AcceleratorState.__init__`` lists
     ``MULTI_GPU``, ``MULTI_XPU``, ... and not ``MULTI_CPU``, so FSDP requested on CPU processes silently runs DDP.
     torch runs FSDP2 (``fully_shard``, DTensor) on CPU with gloo, and so does Accelerate's own FSDP2 preparation
-    once it has chosen FSDP. This is the one place that lifts that gate: the process group's distributed type
-    (``PartialState``) reads as ``MULTI_GPU`` while the Accelerator is built, which then records ``FSDP`` (the
-    device stays the CPU). The proposal upstream is in docs/distributed.md.
+    once it has chosen FSDP. DeepSpeed it skips under ``cpu=True`` (``ACCELERATE_USE_DEEPSPEED ... and not cpu``,
+    and ``ACCELERATE_USE_CPU`` sets ``cpu``), while DeepSpeed itself runs ZeRO-1 and ZeRO-2 on its CPU accelerator
+    over the same gloo group, built without its compiled ops (``DS_BUILD_OPS=0``). This is the one place that lifts
+    those gates: for FSDP2 the process group's distributed type (``PartialState``) reads as ``MULTI_GPU`` while
+    the Accelerator is built, which then records ``FSDP``; for DeepSpeed the ``AcceleratorState`` is built with
+    ``cpu=False`` (and ``ACCELERATE_USE_CPU`` hidden meanwhile) over the process group that is already a CPU one,
+    which then records ``DEEPSPEED``. The device stays the CPU. The proposal upstream is in docs/distributed.md.
 
     Raises:
-        ConfigError: FSDP1 or DeepSpeed on CPU processes (FSDP1 wants an accelerator device; Accelerate skips
-            DeepSpeed under ``cpu=True``).
+        ConfigError: FSDP1 on CPU processes (it wants an accelerator device); DeepSpeed on one CPU process, or on CPU
+            processes with ZeRO-3 (a ZeRO-3 fit does run there, but torchloom has not tested it against DDP, nor its
+            checkpoints, resume or export; ZeRO-3 checkpoints hold partitioned parameters) or with an offload of the
+            optimizer or parameters (the processes' state is in CPU memory already, and DeepSpeed's CPU Adam is a
+            compiled op that a ``DS_BUILD_OPS=0`` install does not have).
     """
     if sharding is None:
         yield
         return
     state = PartialState(cpu=bool(kwargs.get("cpu", False)))
+    if sharding.kind == "DeepSpeed" and state.num_processes == 1 and state.device.type == "cpu":
+        # Accelerate chooses DeepSpeed for one process without cpu=True, and deepspeed.initialize then looks for MPI
+        raise ConfigError(
+            f"DeepSpeed was requested ({sharding.source}) on 1 CPU process: it needs several processes: launch with "
+            "torchrun --nproc_per_node N or accelerate launch --num_processes N (with ACCELERATE_USE_CPU=1)"
+        )
     if state.distributed_type != DistributedType.MULTI_CPU:
         yield
         return
-    if sharding.kind != "FSDP" or sharding.version != 2:
-        why = (
-            "torch's FullyShardedDataParallel (FSDP1) needs an accelerator device; use FSDP2 (fsdp_version: 2)"
-            if sharding.kind == "FSDP"
-            else "Accelerate does not run DeepSpeed with cpu=True, and this torchloom does not lift that gate"
-        )
+    where = f"{sharding.name} was requested ({sharding.source}) on {state.num_processes} CPU processes"
+    if sharding.kind == "DeepSpeed":
+        _check_deepspeed_on_cpu(kwargs, where)
+        hidden = os.environ.pop("ACCELERATE_USE_CPU", None)
+        kwargs["cpu"] = False  # the process group stays the CPU one built above: only DeepSpeed's gate reads it
+        _LIFTED.add("distributed_type")  # AcceleratorState writes DEEPSPEED back into it: undone by reset_...
+        try:
+            yield
+        finally:
+            if hidden is not None:
+                os.environ["ACCELERATE_USE_CPU"] = hidden
+        return
+    if sharding.version != 2:
         raise ConfigError(
-            f"{sharding.name} was requested ({sharding.source}) on {state.num_processes} CPU processes: {why}. "
-            "Without it, the run would silently be plain data parallelism (DDP)"
+            f"{where}: torch's FullyShardedDataParallel (FSDP1) needs an accelerator device; use FSDP2 "
+            "(fsdp_version: 2). Without it, the run would silently be plain data parallelism (DDP)"
         )
     shared = PartialState._shared_state
     shared["distributed_type"] = DistributedType.MULTI_GPU
@@ -196,6 +232,96 @@ def sharding_on_cpu(kwargs: Mapping[str, Any], sharding: Sharding | None) -> Ite
     finally:
         if shared.get("distributed_type") == DistributedType.MULTI_GPU:  # the Accelerator was not built
             shared["distributed_type"] = DistributedType.MULTI_CPU
+
+
+def _check_deepspeed_on_cpu(kwargs: Mapping[str, Any], where: str) -> None:
+    """Refuse the DeepSpeed settings that torchloom does not run on CPU processes (`sharding_on_cpu`)."""
+    plugin = deepspeed_plugins(kwargs)[0]  # the active one (deepspeed_settings put it there)
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    stage = int(zero.get("stage", plugin.zero_stage if plugin.zero_stage is not None else 0))
+    if stage not in DEEPSPEED_CPU_STAGES:
+        raise ConfigError(
+            f"{where} with ZeRO stage {stage}: on CPU processes torchloom runs DeepSpeed ZeRO stages "
+            f"{' and '.join(map(str, DEEPSPEED_CPU_STAGES))} only (ZeRO-3 trains there, but torchloom does not "
+            "test it against DDP, nor its checkpoints, resume and export, so it does not run it untested); use "
+            "zero_stage 1 or 2, or FSDP2 (the fsdp plugin) to shard the parameters too"
+        )
+    precision = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    enabled = [k for k in ("fp16", "bf16") if str((plugin.deepspeed_config.get(k) or {}).get("enabled")) == "True"]
+    if str(precision) not in ("no", "None") or enabled:
+        raise ConfigError(
+            f"{where} with mixed precision ({precision if str(precision) not in ('no', 'None') else enabled[0]}): "
+            "DeepSpeed's 16-bit optimizers are not run on its CPU accelerator by torchloom; train in float32 "
+            "(no mixed_precision plugin) under DeepSpeed on CPU processes"
+        )
+    for what in ("offload_optimizer", "offload_param"):
+        device = str((zero.get(what) or {}).get("device", "none")).lower()
+        if device not in ("none", "auto"):
+            raise ConfigError(
+                f"{where} with {what} to {device!r}: the processes' state is in CPU memory already, and "
+                "DeepSpeed's CPU Adam is a compiled op that a DS_BUILD_OPS=0 install does not have; remove the "
+                "offload (offload_optimizer_device / offload_param_device: none)"
+            )
+
+
+def deepspeed_settings(kwargs: dict[str, Any], sharding: Sharding) -> None:
+    """Put in ``kwargs["deepspeed_plugin"]`` the plugin that DeepSpeed is built from (from the launcher's environment,
+    ``ACCELERATE_USE_DEEPSPEED``, as the Accelerator would build it), and refuse an accumulation it would not follow.
+
+    DeepSpeed accumulates, clips and steps inside ``accelerator.backward`` of a window's last micro-batch, before
+    any ``before_optimizer_step`` hook. Its ``gradient_accumulation_steps``, when explicit, must be the run's
+    (``gradient_accumulation_steps`` of the plugins' Accelerator settings, 1 by default): Accelerate would take
+    DeepSpeed's, which the engine's windows do not follow. Its ``gradient_clipping`` is the business of the plugins
+    that clip (their ``configure_model``), and of `settle_deepspeed_clipping` after them.
+
+    Raises:
+        ConfigError: an explicit DeepSpeed ``gradient_accumulation_steps`` other than the run's.
+    """
+    from accelerate.utils import DeepSpeedPlugin
+
+    if kwargs.get("deepspeed_plugin") is None and kwargs.get("deepspeed_plugins") is None:
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin()  # reads ACCELERATE_DEEPSPEED_* as the Accelerator would
+    steps = int(kwargs.get("gradient_accumulation_steps", 1))
+    for ds in deepspeed_plugins(kwargs):
+        accumulation = ds.deepspeed_config.get("gradient_accumulation_steps", "auto")
+        if accumulation != "auto" and int(accumulation) != steps:
+            raise ConfigError(
+                f"DeepSpeed was requested ({sharding.source}) with gradient_accumulation_steps {accumulation} in its "
+                f"DeepSpeed config, but the run accumulates {steps} micro-batch(es) per optimizer step (the "
+                "grad_accum plugin's steps; 1 without it): Accelerate would take DeepSpeed's value, which the "
+                "engine's accumulation windows do not follow; set it to \"auto\" (filled from the run's) or to the "
+                "same value"
+            )
+
+
+def deepspeed_plugins(kwargs: Mapping[str, Any]) -> list[Any]:
+    """The ``DeepSpeedPlugin`` objects of the Accelerator settings ``kwargs`` (``deepspeed_plugin`` or the values of
+    ``deepspeed_plugins``)."""
+    several = kwargs.get("deepspeed_plugins")
+    if isinstance(several, Mapping):
+        return list(several.values())
+    one = several if several is not None else kwargs.get("deepspeed_plugin")
+    return [one] if one is not None else []
+
+
+def settle_deepspeed_clipping(accelerator: Accelerator) -> None:
+    """Make a DeepSpeed ``gradient_clipping`` that is still ``"auto"`` after the plugins' ``configure_model`` 0 (no
+    clipping): no plugin asked for clipping (one that clips sets it there), and Accelerate would fill it with 1.0.
+    Called before ``accelerator.prepare``; nothing without DeepSpeed."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    for ds in deepspeed_plugins({"deepspeed_plugins": accelerator.state.deepspeed_plugins}):
+        if ds.deepspeed_config.get("gradient_clipping") == "auto":
+            ds.deepspeed_config["gradient_clipping"] = ds.gradient_clipping = 0.0
+
+
+def deepspeed_missing(sharding: Sharding) -> ConfigError:
+    """The error for DeepSpeed requested where it is not installed (instead of Accelerate's ImportError)."""
+    return ConfigError(
+        f"DeepSpeed was requested ({sharding.source}), but the deepspeed package is not installed: install it "
+        "with \"DS_BUILD_OPS=0 pip install 'torchloom[deepspeed]'\" (DS_BUILD_OPS=0 installs it without compiling "
+        "its CUDA ops, as on CPU machines), or remove the request"
+    )
 
 
 def check_sharding(accelerator: Accelerator, sharding: Sharding | None) -> None:
@@ -323,7 +449,8 @@ def reset_accelerate_state() -> None:
     AcceleratorState._reset_state()
     GradientState._reset_state()
     shared = PartialState._shared_state
-    if _LIFTED and shared.get("distributed_type") in (DistributedType.FSDP, DistributedType.MULTI_GPU):
+    lifted = (DistributedType.FSDP, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED)
+    if _LIFTED and shared.get("distributed_type") in lifted:
         # A run that `sharding_on_cpu` made FSDP left FSDP in the process group's state (AcceleratorState.__init__
         # writes its distributed type back there): the next Accelerator of this process would read FSDP without
         # an FSDP plugin (a DDP run, or a second FSDP run, failing in prepare on ``is_fsdp2``)

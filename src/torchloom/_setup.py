@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from accelerate.data_loader import get_sampler
 from accelerate.utils import DistributedType, set_seed
 
+from torchloom._accelerator import settle_deepspeed_clipping
 from torchloom._agreement import RankAgreement
 from torchloom._batch_limits import Limit, overfit_loader, resolve, train_limit, val_limit
 from torchloom._guards import (
@@ -100,6 +101,7 @@ def prepare_run(
         datamodule.check_model(model)  # e.g. packed data and an attention that would mix its sequences
     task.model, task.accelerator = model, accelerator
     relay.call("configure_model", model=model, task=task, accelerator=accelerator)
+    settle_deepspeed_clipping(accelerator)  # after the plugins that clip set DeepSpeed's clipping
     if accelerator.distributed_type in _SHARDED:
         # An adapter's frozen base is hashed (the checkpoints' record of the base it needs) while it is whole: once
         # sharded, each process holds only its shards. The same hash as an unsharded run's.

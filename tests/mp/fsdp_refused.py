@@ -1,8 +1,7 @@
 """A sharding request on CPU processes that cannot take effect: each process writes the ConfigError it got.
 
-Arguments: the output directory and the request: ``fsdp1`` (the ``fsdp`` plugin with version 1), ``deepspeed``
-(``ACCELERATE_USE_DEEPSPEED=true``, as ``accelerate launch`` sets it from a DeepSpeed config) or ``local_sgd`` (the
-``fsdp`` plugin with ``local_sgd``, which Accelerate's LocalSGD does not support: a PluginError).
+Arguments: the output directory and the request: ``fsdp1`` (the ``fsdp`` plugin with version 1) or ``local_sgd``
+(the ``fsdp`` plugin with ``local_sgd``, which Accelerate's LocalSGD does not support: a PluginError).
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ out, request = Path(sys.argv[1]), sys.argv[2]
 plugins = {"fsdp": {"version": 1}} if request == "fsdp1" else {}
 if request == "local_sgd":
     plugins = {"fsdp": {"auto_wrap_policy": "no_wrap"}, "local_sgd": {"sync_every": 2}}  # TinyTask: no blocks
-if request == "deepspeed":
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
 engine = torchloom.Engine(output_dir=str(out / "run"), max_epochs=1, plugins=plugins)
 try:
     engine.fit(TinyTask())

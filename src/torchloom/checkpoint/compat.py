@@ -37,12 +37,14 @@ def check_compatible(
 
     Raises:
         CheckpointError: another number of processes where the state cannot be re-sharded
-            (`torchloom.checkpoint.reshard.reshard_problems`), other parameter names or shapes, another optimizer
+            (`torchloom.checkpoint.reshard.reshard_problems`), DeepSpeed on one side only, other parameter names or
+            shapes, another optimizer
             class without ``reset_optimizer``, another set of stateful plugins, a learning-rate scheduler on
             one side only, or training data in which the checkpoint's epoch cannot be continued exactly: one
             message listing what differs.
     """
     problems = reshard_problems(manifest, accelerator.num_processes, run_layout(accelerator))
+    problems += _deepspeed_problems(manifest, accelerator)
     saved = {k: tuple(v) for k, v in (manifest.get("model") or {}).get("parameters", {}).items()}
     current = {name: tuple(p.shape) for name, p in accelerator.unwrap_model(model).named_parameters()}
     adapter = resume_problems(manifest.get("adapter"), describe(accelerator.unwrap_model(model)))
@@ -85,6 +87,20 @@ def check_compatible(
     if problems:
         raise CheckpointError("cannot resume from checkpoint: " + "; ".join(problems))
     return load_optimizer and not reset_optimizer
+
+
+def _deepspeed_problems(manifest: Mapping[str, Any], accelerator: Any) -> list[str]:
+    """A DeepSpeed checkpoint (DeepSpeed's own files, read by its ``load_checkpoint``) into a run without DeepSpeed,
+    or another checkpoint into a DeepSpeed run: neither side's loader reads the other's files."""
+    saved = str(manifest.get("distributed_type", "")).rsplit(".", 1)[-1]
+    now = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if (saved == "DEEPSPEED") == (now == "DEEPSPEED"):
+        return []
+    return [
+        f"it was written under {saved or 'an unrecorded distributed type'} and this run is {now}: DeepSpeed's "
+        "checkpoint files load into a DeepSpeed run only, and a DeepSpeed run loads DeepSpeed's only (torchloom "
+        "export writes a ZeRO-1/2 checkpoint's model as a folder that any run can start from)"
+    ]
 
 
 def check_complete(root: Path, manifest: Mapping[str, Any], names: Iterable[str]) -> None:

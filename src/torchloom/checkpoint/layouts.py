@@ -21,7 +21,8 @@ run's state dicts as DCP returns them (``get_model_state_dict`` / ``get_optimize
 FSDP2, whole tensors otherwise, keyed by FQN whatever the processes) are filled by ``dcp.load`` from DCP folders,
 or set from whole files with ``set_model_state_dict`` / ``set_optimizer_state_dict`` and
 ``StateDictOptions(full_state_dict=True)`` (each process reads the whole file; DCP keeps each process's shard).
-`full_model_state` reads a checkpoint's whole model on one process, for ``torchloom export``.
+`full_model_state` reads a checkpoint's whole model on one process, for ``torchloom export`` (also a DeepSpeed
+ZeRO-1/2 checkpoint's, ``pytorch_model/mp_rank_00_model_states.pt``).
 
 The values loaded are the saved ones, exactly; what differs afterwards from an uninterrupted run is the order in
 which the new processes reduce gradients (see ``docs/plugins/checkpoint.md``).
@@ -46,6 +47,9 @@ LAYOUT_FILES = {
     "fsdp_sharded": ("pytorch_model_fsdp_0", "optimizer_0"),
     "fsdp_full": ("pytorch_model_fsdp.bin", "optimizer.bin"),
 }
+#: The model file of a DeepSpeed checkpoint under ``accelerate/`` (`full_model_state` reads it; DeepSpeed's own
+#: ``load_checkpoint`` resumes it, on the same number of processes only).
+DEEPSPEED_MODEL_FILE = "pytorch_model/mp_rank_00_model_states.pt"
 #: What each layout is, for messages.
 LAYOUT_NAMES = {
     "whole": "whole-model files (one process or DDP)",
@@ -155,10 +159,13 @@ def full_model_state(directory: Path) -> dict[str, torch.Tensor]:
         CheckpointError: the folder holds no model of a layout torchloom reads.
     """
     layout = saved_layout(directory)
+    if layout is None and (directory / DEEPSPEED_MODEL_FILE).is_file():
+        return _deepspeed_model_state(directory / DEEPSPEED_MODEL_FILE)
     if layout is None:
         raise CheckpointError(
             f"checkpoint {str(directory.parent)!r} holds no model files torchloom reads under accelerate/ (expected "
-            "model.safetensors, or an FSDP2 checkpoint's pytorch_model_fsdp_0/ or pytorch_model_fsdp.bin)"
+            "model.safetensors, an FSDP2 checkpoint's pytorch_model_fsdp_0/ or pytorch_model_fsdp.bin, or a DeepSpeed "
+            f"ZeRO-1/2 checkpoint's {DEEPSPEED_MODEL_FILE})"
         )
     model_file = directory / LAYOUT_FILES[layout][0]
     if layout != "fsdp_sharded":
@@ -179,6 +186,27 @@ def full_model_state(directory: Path) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load({"model": model}, storage_reader=dcp.FileSystemReader(str(model_file)))
     return model
+
+
+def _deepspeed_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model of a DeepSpeed checkpoint (Accelerate's ``save_state`` under DeepSpeed: ``engine.save_checkpoint``
+    into ``pytorch_model/``): under ZeRO-1 and ZeRO-2 every process holds all the parameters, and the main process's
+    ``mp_rank_00_model_states.pt`` has them whole in its ``module`` (the training dtype: float32 when the run had no
+    mixed precision). Read with ``weights_only=True`` (its other entries are DeepSpeed's plain bookkeeping).
+
+    Raises:
+        CheckpointError: a ZeRO-3 checkpoint (its ``module`` holds placeholders: its parameters are partitioned in
+            the optimizer files; DeepSpeed's ``zero_to_fp32.py`` in the folder gathers them).
+    """
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    stage = int(((state.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+    if stage >= 3:
+        raise CheckpointError(
+            f"checkpoint {str(path.parents[2])!r}: a DeepSpeed ZeRO-3 checkpoint, whose parameters are partitioned "
+            "over its processes' files; torchloom reads ZeRO-1 and ZeRO-2 checkpoints only (DeepSpeed's "
+            "zero_to_fp32.py in its accelerate/ folder gathers a ZeRO-3 one)"
+        )
+    return dict(state["module"])
 
 
 def _read_whole(path: Path) -> dict[str, torch.Tensor]:
