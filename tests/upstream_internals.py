@@ -528,8 +528,53 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         "transformers.modeling_utils.PreTrainedModel._no_split_modules",
         "fsdp's default blocks to wrap (Accelerate reads the same attribute for transformer_based_wrap), checked "
-        "against the model's modules at start-up",
-        ("torchloom_plugins.fsdp",),
+        "against the model's modules at start-up; estimate_memory's default FSDP2 units",
+        ("torchloom_plugins.fsdp", "torchloom.tools.memory_shard"),
+    ),
+    Internal(
+        "torch.nn.Module._parameters",
+        "estimate_memory under FSDP2 puts parameters of the shards' shapes in place for the optimizer estimators "
+        "(as_shards) and takes them out again",
+        ("torchloom.tools.memory_shard",),
+        kind="instance",
+        make=lambda: __import__("torch").nn.Linear(1, 1),
+    ),
+    *(
+        Internal(
+            f"torch.nn.Module.{table}",
+            "a copy of an FSDP2 model for tracing (FLOPs, memory) leaves out FSDP2's hooks, kept in this table",
+            ("torchloom.parallel.copies",),
+            kind="instance",
+            make=lambda: __import__("torch").nn.Linear(1, 1),
+        )
+        for table in (
+            "_forward_pre_hooks",
+            "_forward_pre_hooks_with_kwargs",
+            "_forward_hooks",
+            "_forward_hooks_with_kwargs",
+            "_forward_hooks_always_called",
+            "_backward_pre_hooks",
+            "_backward_hooks",
+            "_state_dict_hooks",
+            "_state_dict_pre_hooks",
+            "_load_state_dict_pre_hooks",
+            "_load_state_dict_post_hooks",
+        )
+    ),
+    Internal(
+        "torch.distributed.fsdp.FSDPModule._orig_cls_mro_index",
+        "where the class fully_shard replaced sits in FSDP<Class>'s method resolution order: a copy of an FSDP2 model "
+        "for tracing is made of the original classes",
+        ("torchloom.parallel.copies",),
+    ),
+    Internal(
+        "torch.distributed._composable.contract.generate_state_key",
+        "the prefix of the module attribute where torch.distributed's composable APIs keep their state (FSDPState): a "
+        "copy of an FSDP2 model for tracing leaves it out",
+        ("torchloom.parallel.copies",),
+        kind="source",
+        contains=("__composable_api_state_key",),
+        names=("__composable_api_state_key",),
     ),
     Internal(
         "transformers.generation.utils.GenerationMixin._validate_model_kwargs",
