@@ -307,8 +307,9 @@ def estimate_memory(
             every figure is one process's (`torchloom.tools.memory_shard`): parameters, gradients and optimizer
             state sharded, the gathered layers in the activations, and full gradients inside an accumulation
             window (``effective_batch_size`` above the micro-batch: FSDP2 reduces them only at the window's end).
-            Stated tolerance, tested: the total is at most 5 % above the per-process peak measured on 2 CPU
-            processes and at most 0.1 % below it (parameters and optimizer state exact; ``docs/memory.md``).
+            Stated tolerance, tested: the total is within 5 % of the per-process peak measured on 2 CPU
+            processes (parameters and optimizer state exact); the peak of a loaded machine can be higher
+            (``docs/memory.md``).
         transformer_layer_cls_to_wrap (`Sequence[str]`, *optional*): with ``dp_shard_size``, the classes sharded
             as units, as the ``fsdp`` plugin takes them; defaults to the model's ``_no_split_modules``.
 
